@@ -1,0 +1,328 @@
+"""``InMemoryIndex``: the embedded ``KVIndex``, a few dicts on the event loop.
+
+Layout (chosen for lookup speed and memory, see ``bench/index_bench.py``):
+
+* Each replica gets a bit position ``b`` on first sight (kept for the index's lifetime).
+* ``_masks[request_key]`` is one int holding three bitmasks over replicas:
+  ``gpu | cpu << S | storage << 2S`` where ``S`` (the stride) grows, with a repack, when
+  replicas outnumber it.  A lookup walks the prompt's keys once, AND-ing an "active"
+  replica mask with each key's any-tier mask, so its cost is one dict probe and a few int
+  operations per key, independent of the number of replicas.  Tiers are counted per
+  replica only where some active replica lacks a GPU copy (rare).
+* Per replica, ``_Replica.engine[engine_key]`` packs the request key and that engine
+  key's reference counts per tier (``request_key | gpu << 64 | cpu << 84 | storage <<
+  104``), and ``_Replica.request[request_key]`` packs the per-tier reference counts of the
+  request key (several engine keys can map to one request key, e.g. vLLM 0.33's lookahead
+  hashing).  A tier bit is set while its request-level count is positive.
+* Reference counts make ``add`` and ``evict`` exact under vLLM's duplicate stores
+  (``BlockHashToBlockMap`` holds one hash several times).  Counts saturate at 2**20 - 1.
+* An engine key stays mapped while any tier of it is referenced, so token-less offload
+  stores (``add_by_engine_key``) and children of the block (``request_key``) resolve.
+
+No method awaits, so each is atomic on the event loop; there are no locks.  Not bounded in
+size: the engine's own evictions (``BlockRemoved``) bound it, and a replica's state goes
+with ``clear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Final
+
+from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
+
+__all__ = ["InMemoryIndex"]
+
+_U64: Final = (1 << 64) - 1
+_CNT_BITS: Final = 20
+_CNT_MAX: Final = (1 << _CNT_BITS) - 1
+_TIER: Final[dict[Medium, int]] = {Medium.GPU: 0, Medium.CPU: 1, Medium.STORAGE: 2}
+# Engine entry: request key in bits 0..63, then three 20-bit counts.
+_E_SHIFT: Final = (64, 64 + _CNT_BITS, 64 + 2 * _CNT_BITS)
+# Request entry: three 20-bit counts.
+_R_SHIFT: Final = (0, _CNT_BITS, 2 * _CNT_BITS)
+
+
+@dataclass(slots=True)
+class _Replica:
+    bit: int
+    engine: dict[EngineKey, int] = field(default_factory=dict)
+    request: dict[RequestKey, int] = field(default_factory=dict)
+
+
+class InMemoryIndex:
+    """A ``KVIndex`` held in this process (the default for a single router)."""
+
+    def __init__(self, *, stride: int = 64) -> None:
+        self._stride = stride
+        self._masks: dict[RequestKey, int] = {}
+        self._replicas: dict[ReplicaId, _Replica] = {}
+        self._ids: list[ReplicaId] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    def _replica(self, replica: ReplicaId) -> _Replica:
+        r = self._replicas.get(replica)
+        if r is None:
+            if len(self._ids) == self._stride:
+                self._repack(self._stride * 2)
+            r = _Replica(bit=len(self._ids))
+            self._ids.append(replica)
+            self._replicas[replica] = r
+        return r
+
+    def _repack(self, stride: int) -> None:
+        old, lim = self._stride, (1 << self._stride) - 1
+        for k, v in self._masks.items():
+            self._masks[k] = (v & lim) | ((v >> old) & lim) << stride | (v >> 2 * old) << (
+                2 * stride
+            )
+        self._stride = stride
+
+    def _set_bit(self, key: RequestKey, bit: int, tier: int) -> None:
+        self._masks[key] = self._masks.get(key, 0) | 1 << (bit + tier * self._stride)
+
+    def _clear_bit(self, key: RequestKey, bit: int, tier: int) -> None:
+        v = self._masks.get(key, 0) & ~(1 << (bit + tier * self._stride))
+        if v:
+            self._masks[key] = v
+        else:
+            self._masks.pop(key, None)
+
+    def _ref(self, r: _Replica, ek: EngineKey, rk: RequestKey, tier: int) -> None:
+        e = r.engine.get(ek)
+        if e is not None and e & _U64 != rk:
+            # The engine reused a hash for other content (a collision, or a restart
+            # nobody told us about): forget the old mapping entirely.
+            self._drop_engine(r, ek, e)
+            e = None
+        eshift = _E_SHIFT[tier]
+        if e is None:
+            e = rk
+        if (e >> eshift) & _CNT_MAX == _CNT_MAX:
+            return
+        r.engine[ek] = e + (1 << eshift)
+        rshift = _R_SHIFT[tier]
+        q = r.request.get(rk, 0)
+        if (q >> rshift) & _CNT_MAX == 0:
+            self._set_bit(rk, r.bit, tier)
+        r.request[rk] = q + (1 << rshift)
+
+    def _unref(self, r: _Replica, rk: RequestKey, tier: int, n: int) -> None:
+        rshift = _R_SHIFT[tier]
+        q = r.request.get(rk, 0)
+        cnt = (q >> rshift) & _CNT_MAX
+        n = min(n, cnt)
+        q -= n << rshift
+        if n and n == cnt:
+            self._clear_bit(rk, r.bit, tier)
+        if q:
+            r.request[rk] = q
+        else:
+            r.request.pop(rk, None)
+
+    def _drop_engine(self, r: _Replica, ek: EngineKey, e: int) -> None:
+        rk = RequestKey(e & _U64)
+        for tier in range(3):
+            n = (e >> _E_SHIFT[tier]) & _CNT_MAX
+            if n:
+                self._unref(r, rk, tier, n)
+        del r.engine[ek]
+
+    # ------------------------------------------------------------------ KVIndex
+
+    async def lookup(
+        self, keys: Sequence[RequestKey], *, among: Collection[ReplicaId] | None = None
+    ) -> PrefixHits:
+        """Per replica, the consecutive leading blocks of ``keys`` it holds, and where."""
+        return self.lookup_sync(keys, among=among)
+
+    def lookup_sync(
+        self, keys: Sequence[RequestKey], *, among: Collection[ReplicaId] | None = None
+    ) -> PrefixHits:
+        """``lookup`` without the coroutine (same answer; for benchmarks and sync callers)."""
+        if not keys:
+            return PrefixHits()
+        masks = self._masks
+        s = self._stride
+        lim = (1 << s) - 1
+        if among is None:
+            allowed = lim
+        else:
+            allowed = 0
+            for rid in among:
+                r = self._replicas.get(rid)
+                if r is not None:
+                    allowed |= 1 << r.bit
+        v = masks.get(keys[0], 0)
+        active = (v | v >> s | v >> 2 * s) & lim & allowed
+        if not active:
+            return PrefixHits()
+        runs: dict[int, int] = {}
+        slow: dict[int, list[int]] | None = None  # bit -> [cpu, storage] blocks
+        n = len(keys)
+        values = list(map(masks.get, keys, repeat(0, n)))
+        for i, v in enumerate(values):
+            if v & active == active and v <= lim:
+                continue  # the hot path: every active replica holds it on GPU
+            if v <= lim:
+                held = v
+                offload = 0
+            else:
+                held = (v | v >> s | v >> 2 * s) & lim
+                offload = active & held & ~v
+            still = active & held
+            if still != active:
+                gone = active & ~still
+                while gone:
+                    low = gone & -gone
+                    runs[low.bit_length() - 1] = i
+                    gone ^= low
+                active = still
+                if not active:
+                    break
+            if offload:
+                if slow is None:
+                    slow = {}
+                cpu = v >> s
+                while offload:
+                    low = offload & -offload
+                    b = low.bit_length() - 1
+                    c = slow.setdefault(b, [0, 0])
+                    c[0 if cpu & low else 1] += 1
+                    offload ^= low
+        while active:
+            low = active & -active
+            runs[low.bit_length() - 1] = n
+            active ^= low
+        ids = self._ids
+        out: dict[ReplicaId, ReplicaHit] = {}
+        for b, run in runs.items():
+            if run == 0:
+                continue
+            if slow is not None and b in slow:
+                cpu_n, sto_n = slow[b]
+                out[ids[b]] = ReplicaHit(run - cpu_n - sto_n, cpu_n, sto_n)
+            else:
+                out[ids[b]] = ReplicaHit(run)
+        return PrefixHits(out)
+
+    async def add(
+        self,
+        replica: ReplicaId,
+        engine_keys: Sequence[EngineKey],
+        request_keys: Sequence[RequestKey],
+        medium: Medium = Medium.GPU,
+    ) -> None:
+        """Record that ``replica`` stored these blocks (pairwise) in ``medium``."""
+        self.add_sync(replica, engine_keys, request_keys, medium)
+
+    def add_sync(
+        self,
+        replica: ReplicaId,
+        engine_keys: Sequence[EngineKey],
+        request_keys: Sequence[RequestKey],
+        medium: Medium = Medium.GPU,
+    ) -> None:
+        """``add`` without the coroutine."""
+        if len(engine_keys) != len(request_keys):
+            raise ValueError("engine_keys and request_keys differ in length")
+        if not engine_keys:
+            return
+        r = self._replica(replica)
+        tier = _TIER[medium]
+        for ek, rk in zip(engine_keys, request_keys, strict=True):
+            self._ref(r, ek, rk, tier)
+
+    async def add_by_engine_key(
+        self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium
+    ) -> int:
+        """Record a token-less store for known engine keys; return how many resolved."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return 0
+        tier = _TIER[medium]
+        resolved = 0
+        for ek in engine_keys:
+            e = r.engine.get(ek)
+            if e is not None:
+                self._ref(r, ek, RequestKey(e & _U64), tier)
+                resolved += 1
+        return resolved
+
+    async def evict(
+        self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium = Medium.GPU
+    ) -> None:
+        """Drop one reference per key in ``medium``; unknown keys are ignored."""
+        self.evict_sync(replica, engine_keys, medium)
+
+    def evict_sync(
+        self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium = Medium.GPU
+    ) -> None:
+        """``evict`` without the coroutine."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return
+        tier = _TIER[medium]
+        eshift = _E_SHIFT[tier]
+        for ek in engine_keys:
+            e = r.engine.get(ek)
+            if e is None or (e >> eshift) & _CNT_MAX == 0:
+                continue
+            e -= 1 << eshift
+            rk = RequestKey(e & _U64)
+            self._unref(r, rk, tier, 1)
+            if e >> 64:
+                r.engine[ek] = e
+            else:
+                del r.engine[ek]
+
+    async def request_key(self, replica: ReplicaId, engine_key: EngineKey) -> RequestKey | None:
+        """The request key ``replica`` stored under ``engine_key``, if any."""
+        return self.request_key_sync(replica, engine_key)
+
+    def request_key_sync(self, replica: ReplicaId, engine_key: EngineKey) -> RequestKey | None:
+        """``request_key`` without the coroutine."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return None
+        e = r.engine.get(engine_key)
+        return None if e is None else RequestKey(e & _U64)
+
+    async def clear(self, replica: ReplicaId) -> None:
+        """Forget everything ``replica`` holds."""
+        self.clear_sync(replica)
+
+    def clear_sync(self, replica: ReplicaId) -> None:
+        """``clear`` without the coroutine."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return
+        s = self._stride
+        keep = ~((1 << r.bit) | (1 << (r.bit + s)) | (1 << (r.bit + 2 * s)))
+        masks = self._masks
+        for rk in r.request:
+            v = masks.get(rk, 0) & keep
+            if v:
+                masks[rk] = v
+            else:
+                masks.pop(rk, None)
+        r.request = {}
+        r.engine = {}
+
+    async def replicas(self) -> set[ReplicaId]:
+        """Replicas that hold at least one block."""
+        return {rid for rid, r in self._replicas.items() if r.request}
+
+    def blocks(self, replica: ReplicaId) -> int:
+        """Distinct request keys ``replica`` holds in any tier (for metrics)."""
+        r = self._replicas.get(replica)
+        return 0 if r is None else len(r.request)
+
+    async def aclose(self) -> None:
+        """Drop everything (nothing to release)."""
+        self._masks.clear()
+        self._replicas.clear()
+        self._ids.clear()
