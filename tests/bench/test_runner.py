@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench.runner import RunConfig, Runner
+from bench.runner import RequestResult, RunConfig, Runner
 from bench.trace import TraceRequest
 
 
@@ -79,7 +79,7 @@ def two_sessions() -> list[TraceRequest]:
 async def test_open_loop_replay_records_everything(endpoint: tuple[str, FakeEndpoint]) -> None:
     url, fake = endpoint
     cfg = RunConfig(url=url, model="m", time_scale=0.1, headers={"X-KVRoute-Policy": "kv"})
-    seen = []
+    seen: list[RequestResult] = []
     async with Runner(cfg) as runner:
         results = await runner.run(two_sessions(), progress=seen.append)
     assert len(results) == 6 and seen == results and all(r.ok for r in results)
