@@ -1,10 +1,103 @@
-"""Subcommands of ``kvroute`` that belong to ``router``."""
+"""Subcommands of ``kvroute`` that belong to ``router``.
+
+``kvroute serve --host H --port P --replica URL [--replica URL ...] [--config FILE]
+[--policy NAME] [--log-level LEVEL]``: flags override ``KVROUTE_*`` variables, which
+override the YAML file (``router.config``).  The command line is a stable interface.
+Heavy imports (uvicorn, the app) happen inside the handler so ``kvroute --help`` is fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
+_SERVE_EPILOG = """\
+configuration sources, lowest priority first: defaults, the YAML file (--config),
+KVROUTE_* environment variables (nested fields with '__', e.g.
+KVROUTE_TIMEOUTS__CONNECT_S=2; lists as JSON, e.g.
+KVROUTE_REPLICAS='[{"url": "http://127.0.0.1:8000"}]'), then these flags.
 
-def register(sub: "argparse._SubParsersAction[Any]") -> None:
+example:
+  kvroute serve --port 8080 --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002
+"""
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
+    _register_serve(sub)
+
+
+def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the router (an OpenAI-compatible proxy in front of vLLM replicas)",
+        description="Run the kvroute router: an OpenAI-compatible streaming reverse proxy "
+        "that routes each request to one of the replicas.",
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default=None,
+                   help="address to listen on (default 127.0.0.1; setting: host)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to listen on (default 8080; setting: port)")
+    p.add_argument("--replica", metavar="URL", action="append", default=None,
+                   help="base URL of an upstream replica, e.g. http://127.0.0.1:8000; repeat "
+                   "for each replica (replaces the 'replicas' setting; its id is host:port)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML file with any settings (replicas, timeouts, health, failover, "
+                   "index, scoring, ...)")
+    p.add_argument("--policy", metavar="NAME", default=None,
+                   help="default routing policy, e.g. round_robin, least_loaded, random "
+                   "(default round_robin; setting: policy)")
+    p.add_argument("--log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level (default info; setting: log_level)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import ConfigError, RouterSettings
+
+    cli: dict[str, Any] = {}
+    if args.host is not None:
+        cli["host"] = args.host
+    if args.port is not None:
+        cli["port"] = args.port
+    if args.replica:
+        cli["replicas"] = [{"url": url} for url in args.replica]
+    if args.policy is not None:
+        cli["policy"] = args.policy
+    if args.log_level is not None:
+        cli["log_level"] = args.log_level
+    try:
+        settings = RouterSettings.load(config_file=args.config, cli=cli)
+        app = create_app(settings)
+    except ConfigError as exc:
+        print(f"kvroute serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=int(settings.timeouts.shutdown_grace_s + 0.999),
+        server_header=False,
+        date_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,203 @@
+"""The composition root of the router: ``create_app`` builds and wires everything.
+
+Nothing is built at import time and nothing is global.  ``create_app`` only validates the
+wiring (the default policy must be registered) and returns a Starlette app; every object
+is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse order):
+
+1. ``RouterMetrics`` on the injected ``CollectorRegistry`` (unregistered on exit);
+2. ``ReplicaRegistry`` and ``LoadTracker``;
+3. the shared upstream ``aiohttp.ClientSession`` (closed on exit) and a small separate one
+   for health probes (so probes never queue behind proxied traffic);
+4. a ``TaskOwner`` for background tasks (cancelled and awaited on exit);
+5. one health round (awaited: traffic starts with known health), then the prober task;
+6. the ``Service``s, in order (``ctx.services[name]``);
+7. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
+policy), ``GET /health`` (liveness), ``GET /ready`` (200 iff a replica is healthy),
+``GET /metrics``.  The proxy routes are raw ASGI callables (``_ProxyRoute``): no
+Starlette Request/Response on the hot path.
+
+Extending (policies, services): see ``router.plugins``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypedDict
+
+import aiohttp
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from router.config import ConfigError, RouterSettings
+from router.errors import RouterError, to_response
+from router.health import HealthProber
+from router.load import LoadTracker
+from router.metrics import RouterMetrics
+from router.plugins import (
+    PolicyContext,
+    PolicyFactory,
+    PolicyRegistry,
+    Service,
+    builtin_policy_factories,
+    builtin_services,
+)
+from router.policy import Endpoint
+from router.proxy import Proxy, Receive, Scope, Send
+from router.replicas import ReplicaRegistry
+from router.tasks import TaskOwner
+
+__all__ = ["State", "create_app"]
+
+
+class State(TypedDict):
+    """What the lifespan exposes to every request (``scope["state"]``)."""
+
+    settings: RouterSettings
+    proxy: Proxy
+    replicas: ReplicaRegistry
+    load: LoadTracker
+    metrics: RouterMetrics
+    policies: PolicyRegistry
+    context: PolicyContext
+
+
+def create_app(
+    settings: RouterSettings,
+    *,
+    registry: CollectorRegistry | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    policy_factories: Mapping[str, PolicyFactory] | None = None,
+    services: Sequence[Service] | None = None,
+    rng: random.Random | None = None,
+) -> Starlette:
+    """The router as an ASGI app.
+
+    ``policy_factories`` default to ``builtin_policy_factories()`` and ``services`` to
+    ``builtin_services(settings)``.  ``registry`` defaults to a fresh
+    ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.
+    """
+    factories = dict(policy_factories if policy_factories is not None
+                     else builtin_policy_factories())
+    if settings.policy not in factories:
+        raise ConfigError(
+            f"invalid kvroute configuration:\n  policy: unknown policy {settings.policy!r}; "
+            f"registered: {', '.join(sorted(factories))}"
+        )
+    service_list = list(services if services is not None else builtin_services(settings))
+    prom = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    the_rng = rng if rng is not None else random.Random(settings.seed)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[State]:
+        async with AsyncExitStack() as stack:
+            metrics = RouterMetrics(prom)
+            stack.callback(metrics.close)
+            replicas = ReplicaRegistry(
+                settings.replicas,
+                fails_to_down=settings.health.fails_to_down,
+                successes_to_up=settings.health.successes_to_up,
+            )
+            load = LoadTracker(replicas.ids)
+            metrics.bind_state(replicas, load)
+            session = await stack.enter_async_context(_upstream_session(settings))
+            probe_session = await stack.enter_async_context(
+                aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+            )
+            tasks = await stack.enter_async_context(TaskOwner())
+            prober = HealthProber(
+                replicas, probe_session, settings.health,
+                probe_timeout_s=settings.timeouts.health_probe_s, metrics=metrics, clock=clock,
+            )
+            await prober.probe_once()
+            tasks.spawn(prober.run(), name="health-prober")
+            ctx = PolicyContext(
+                settings=settings, replicas=replicas, load=load, metrics=metrics,
+                http=session, tasks=tasks, clock=clock, rng=the_rng,
+            )
+            for service in service_list:
+                ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))
+            policies = PolicyRegistry(factories, ctx, settings.policy)
+            proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
+                          policies=policies, session=session, clock=clock)
+            yield State(settings=settings, proxy=proxy, replicas=replicas, load=load,
+                        metrics=metrics, policies=policies, context=ctx)
+
+    async def models(request: Request) -> Response:
+        replicas: ReplicaRegistry = request.state.replicas
+        body = orjson.dumps({"object": "list", "data": replicas.model_cards()})
+        return Response(body, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        replicas: ReplicaRegistry = request.state.replicas
+        healthy = replicas.healthy_ids()
+        status = 200 if healthy else 503
+        return JSONResponse({"ready": bool(healthy), "healthy_replicas": list(healthy)},
+                            status_code=status)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(generate_latest(prom), media_type=CONTENT_TYPE_LATEST)
+
+    async def router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        resp = to_response(exc)
+        return Response(resp.body, status_code=resp.status, media_type="application/json",
+                        headers={k.decode(): v.decode() for k, v in resp.headers})
+
+    all_methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    routes = [
+        Route("/v1/chat/completions", _ProxyRoute("chat"), methods=["POST"]),
+        Route("/v1/completions", _ProxyRoute("completions"), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/{rest:path}", _ProxyRoute("other"), methods=all_methods),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={RouterError: router_error})
+
+
+class _ProxyRoute:
+    """A raw ASGI endpoint that hands the request to the app's ``Proxy``."""
+
+    __slots__ = ("endpoint",)
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint: Endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        proxy: Proxy = scope["state"]["proxy"]
+        await proxy.handle(scope, receive, send, self.endpoint)
+
+
+def _upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """The one shared upstream client: pooled keep-alive connections, no cookies, bytes
+    passed through undecoded (``auto_decompress=False``)."""
+    connector = aiohttp.TCPConnector(
+        limit=settings.upstream.max_connections,
+        limit_per_host=0,
+        keepalive_timeout=settings.upstream.keepalive_s,
+        ttl_dns_cache=300,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+        timeout=aiohttp.ClientTimeout(sock_connect=settings.timeouts.connect_s,
+                                      sock_read=settings.timeouts.stream_read_s),
+    )
+

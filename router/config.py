@@ -1,0 +1,324 @@
+"""The router's configuration: one frozen, typed settings object, parsed once at start-up.
+
+Sources, lowest priority first: field defaults, the YAML file (``--config``), environment
+variables (``KVROUTE_`` prefix, ``__`` between nested names, e.g.
+``KVROUTE_TIMEOUTS__CONNECT_S=2``; lists such as ``KVROUTE_REPLICAS`` are JSON), then
+command-line flags.  ``RouterSettings.load`` merges them and validates the result; a bad
+value raises ``ConfigError`` whose message names the field (dotted path) and the source it
+came from.
+
+Contract: nothing else in ``router`` reads ``os.environ``; ``create_app`` hands each
+component its own section.  The settings are never read on the hot path through pydantic:
+components copy the numbers they need at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+
+__all__ = [
+    "ConfigError",
+    "FailoverSettings",
+    "HealthSettings",
+    "IndexSettings",
+    "MemoryIndexSettings",
+    "RedisIndexSettings",
+    "ReplicaSettings",
+    "RouterSettings",
+    "ScoringSettings",
+    "TimeoutSettings",
+    "UpstreamSettings",
+]
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names each bad field and its source."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ReplicaSettings(_Section):
+    """One upstream OpenAI-compatible server (a vLLM replica)."""
+
+    url: str
+    """Base URL of the replica, e.g. ``http://127.0.0.1:8000`` (no path)."""
+    id: str = ""
+    """The router's name for the replica; defaults to ``host:port`` of ``url``."""
+    kv_events_endpoint: str | None = None
+    """ZMQ endpoint of the replica's KV-event publisher (``tcp://host:5557``), if any."""
+    replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint that replays missed KV-event batches, if any."""
+    models: list[str] | None = None
+    """Models served; ``None`` means discover them from the replica's ``/v1/models``."""
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http(s) URL with a host, got {value!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"must be a base URL without path or query, got {value!r}")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port: {value!r}") from exc
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_id(self) -> ReplicaSettings:
+        if not self.id:
+            parts = urlsplit(self.url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            object.__setattr__(self, "id", f"{parts.hostname}:{port}")
+        return self
+
+
+class TimeoutSettings(_Section):
+    """Every network wait of the router, in seconds (all must be > 0)."""
+
+    connect_s: float = Field(default=3.0, gt=0)
+    """TCP connect to a replica; a replica that does not accept within this is skipped."""
+    stream_read_s: float = Field(default=300.0, gt=0)
+    """Streaming: the longest gap between two chunks, including the wait for the first
+    (a queued prompt can wait long for its first token under load)."""
+    non_stream_read_s: float = Field(default=900.0, gt=0)
+    """Non-streaming: vLLM sends nothing until the whole generation is done."""
+    health_probe_s: float = Field(default=1.0, gt=0)
+    """One ``GET /health`` or ``GET /v1/models`` probe."""
+    shutdown_grace_s: float = Field(default=30.0, gt=0)
+    """On SIGTERM, how long in-flight requests may finish before they are cancelled."""
+
+
+class HealthSettings(_Section):
+    """Active health checking: ``GET /health`` per replica, with hysteresis."""
+
+    interval_s: float = Field(default=2.0, gt=0)
+    """Time between two probe rounds."""
+    fails_to_down: int = Field(default=2, ge=1)
+    """Consecutive failures that mark a healthy replica down."""
+    successes_to_up: int = Field(default=2, ge=1)
+    """Consecutive successes that mark a down replica up again."""
+    models_refresh_s: float = Field(default=30.0, gt=0)
+    """How often each healthy replica's ``/v1/models`` is re-read (also on every recovery)."""
+    passive_failures: bool = True
+    """Count connect errors of proxied requests as failed probes (faster mark-down)."""
+
+
+class FailoverSettings(_Section):
+    """Retrying on another replica before the first byte reaches the client."""
+
+    max_attempts: int = Field(default=2, ge=1)
+    """Upstream attempts per request in total (1 = no failover)."""
+    backoff_base_s: float = Field(default=0.005, ge=0)
+    """Sleep before the 2nd attempt; doubled for each later one."""
+    backoff_cap_s: float = Field(default=0.1, ge=0)
+    """Upper bound of one backoff sleep."""
+
+
+class UpstreamSettings(_Section):
+    """The shared upstream HTTP client."""
+
+    max_connections: int = Field(default=0, ge=0)
+    """Pooled connections to all replicas together; 0 means unlimited."""
+    keepalive_s: float = Field(default=60.0, gt=0)
+    """How long an idle upstream connection is kept for reuse."""
+
+
+class MemoryIndexSettings(_Section):
+    """The in-process KV index (one router replica)."""
+
+    backend: Literal["memory"] = "memory"
+    """Discriminator."""
+
+
+class RedisIndexSettings(_Section):
+    """A KV index shared by several routers in Redis."""
+
+    backend: Literal["redis"] = "redis"
+    """Discriminator."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL."""
+    key_prefix: str = "kvroute:"
+    """Prefix of every key the index writes."""
+    op_timeout_s: float = Field(default=0.05, gt=0)
+    """One Redis operation; on timeout the router falls back to affinity."""
+
+
+IndexSettings = Annotated[MemoryIndexSettings | RedisIndexSettings, Field(discriminator="backend")]
+"""Which KV index backend the router uses (``backend: memory | redis``)."""
+
+
+class ScoringSettings(BaseModel):
+    """Knobs of the KV-aware scoring (filled in by the scoring module's owner)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow", use_attribute_docstrings=True)
+
+
+class RouterSettings(BaseSettings):
+    """Everything ``kvroute serve`` needs, validated once."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVROUTE_",
+        env_nested_delimiter="__",
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    host: str = "127.0.0.1"
+    """Address the router listens on."""
+    port: int = Field(default=8080, ge=0, le=65535)
+    """Port the router listens on (0 picks a free port)."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    """Log level of the router and uvicorn."""
+    access_log: bool = False
+    """uvicorn access log (off: one log line per request costs throughput)."""
+    replicas: list[ReplicaSettings] = Field(default_factory=list)
+    """The upstream replicas (at least one)."""
+    policy: str = "round_robin"
+    """Default routing policy (a name in the policy registry)."""
+    policy_header: str = "X-KVRoute-Policy"
+    """Request header that selects another registered policy for one request."""
+    session_header: str = "X-Session-ID"
+    """Request header carrying the session key (else the body's ``user``)."""
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    """Largest accepted request body; larger bodies get 413.  8 MiB fits a 128k-token
+    chat with room to spare."""
+    seed: int | None = None
+    """Seed of the ``random`` policy's generator (``None``: from the OS)."""
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    """Network timeouts."""
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    """Health checking."""
+    failover: FailoverSettings = Field(default_factory=FailoverSettings)
+    """Failover before the first byte."""
+    upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
+    """Shared upstream HTTP client."""
+    index: IndexSettings = Field(default_factory=MemoryIndexSettings)
+    """KV index backend."""
+    scoring: ScoringSettings = Field(default_factory=ScoringSettings)
+    """KV-aware scoring knobs."""
+
+    @field_validator("policy_header", "session_header")
+    @classmethod
+    def _check_header(cls, value: str) -> str:
+        if not value or any(c.isspace() or c == ":" for c in value):
+            raise ValueError(f"must be a valid HTTP header name, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> RouterSettings:
+        if not self.replicas:
+            raise ValueError(
+                "replicas: at least one replica is required "
+                "(--replica URL, KVROUTE_REPLICAS or 'replicas:' in the config file)"
+            )
+        seen: set[str] = set()
+        for replica in self.replicas:
+            if replica.id in seen:
+                raise ValueError(f"replicas: duplicate replica id {replica.id!r}")
+            seen.add(replica.id)
+        return self
+
+    @classmethod
+    def load(
+        cls,
+        *,
+        config_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cli: Mapping[str, Any] | None = None,
+    ) -> RouterSettings:
+        """Merge YAML < environment < CLI flags and validate.
+
+        ``env`` defaults to ``os.environ``; ``cli`` holds already-named fields (flags that
+        were not given must be absent).  Raises ``ConfigError``.
+        """
+        sources: list[tuple[str, dict[str, Any]]] = []
+        if config_file is not None:
+            sources.append((f"config file {config_file}", _read_yaml(Path(config_file))))
+        sources.append(("environment (KVROUTE_*)", _read_env(cls, env)))
+        if cli:
+            sources.append(("command line", dict(cli)))
+        merged: dict[str, Any] = {}
+        for _, data in sources:
+            merged = _deep_merge(merged, data)
+        try:
+            return cls(**merged)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc, sources)) from exc
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: invalid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must be a mapping of settings")
+    return data
+
+
+def _read_env(cls: type[BaseSettings], env: Mapping[str, str] | None) -> dict[str, Any]:
+    source = EnvSettingsSource(
+        cls, case_sensitive=False, env_prefix="KVROUTE_", env_nested_delimiter="__"
+    )
+    if env is not None:
+        source.env_vars = {k.lower(): v for k, v in env.items()}
+    try:
+        return dict(source())
+    except Exception as exc:  # pydantic-settings raises SettingsError on bad JSON
+        raise ConfigError(f"environment (KVROUTE_*): {exc}") from exc
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _origin(loc: tuple[int | str, ...], sources: list[tuple[str, dict[str, Any]]]) -> str | None:
+    found = None
+    for name, data in sources:
+        node: Any = data
+        ok = True
+        for part in loc:
+            if isinstance(node, Mapping) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            else:
+                ok = False
+                break
+        if ok and loc:
+            found = name
+    return found
+
+
+def _describe(exc: ValidationError, sources: list[tuple[str, dict[str, Any]]]) -> str:
+    lines = ["invalid kvroute configuration:"]
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("memory", "redis")))
+        field = ".".join(str(p) for p in loc) or "settings"
+        msg = err["msg"].removeprefix("Value error, ")
+        origin = _origin(loc, sources)
+        lines.append(f"  {field}: {msg}" + (f" (from {origin})" if origin else ""))
+    return "\n".join(lines)
+

@@ -1,0 +1,442 @@
+"""The streaming reverse proxy: one request in, one upstream attempt at a time, bytes out.
+
+Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response):
+
+1. Scan headers once; read the body (413 past ``max_body_bytes``); parse only what
+   routing needs (``router.request``); 400 on bad JSON or a missing field.
+2. Candidates = healthy replicas serving the model (404 if none serves it, 503 with
+   ``Retry-After`` if none of those is up); the policy (default, or the one named by the
+   policy header) orders them into a ``Decision``.
+3. Attempts, at most ``failover.max_attempts``, over ``decision.replicas``: each attempt
+   owns ``async with lease(replica)`` and the upstream response in one block whose
+   ``finally`` releases both, whatever happens (disconnect, cancel, error).  A connect
+   error, a timeout or a 5xx **before the first byte** moves on to the next candidate
+   after a ``Backoff`` sleep; the last 5xx is passed through, the last connect error or
+   timeout becomes 502/504.
+4. The client's response starts only with the upstream's first body chunk (so a failure
+   before it can still fail over), then chunks are relayed as they arrive, never
+   buffered.  After the first byte, an upstream failure ends the stream with a final
+   ``data: {"error": ...}`` event.
+5. A watcher task waits for ``http.disconnect``; on a disconnect it cancels the handler,
+   which closes the upstream connection (vLLM aborts the request) within milliseconds.
+6. ``policy.record(request, decision, receipt)`` once, with the usage the replica
+   reported (``router.usage``).
+
+Response headers added: ``x-request-id``, ``x-kvroute-replica``, ``x-kvroute-reason``,
+``x-kvroute-predicted-cached-tokens`` (when the decision predicts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from index.types import ReplicaId
+from router.backoff import Backoff
+from router.config import RouterSettings
+from router.errors import (
+    NoHealthyReplica,
+    ReplicaTimeout,
+    ReplicaUnavailable,
+    RouterError,
+    UnknownModel,
+    UpstreamError,
+    sse_error_event,
+    to_response,
+)
+from router.load import Lease, LoadTracker
+from router.metrics import Outcome, RouterMetrics
+from router.plugins import PolicyRegistry
+from router.policy import Decision, Endpoint, Policy, Receipt, RouteRequest
+from router.replicas import ReplicaRegistry
+from router.request import ClientDisconnected, parse_body, read_body, scan_headers
+from router.usage import UsageTap, inject_include_usage, usage_of_body
+
+__all__ = ["Proxy"]
+
+_log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_CLIENT_GONE = 499  # nginx's "client closed request", for metrics only
+# Upstream response headers not passed on: hop-by-hop ones, the length (the router frames
+# the body itself) and the request id (the router sets its own).
+_RESP_HOP = frozenset({
+    b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade",
+    b"trailer", b"proxy-authenticate", b"x-request-id",
+})
+_CONNECT_ERRORS = (aiohttp.ClientConnectionError, OSError)
+
+
+class _Retry(Exception):
+    """Internal: this attempt failed before the first byte; try the next replica."""
+
+    def __init__(self, error: UpstreamError, outcome: Outcome) -> None:
+        self.error = error
+        self.outcome = outcome
+
+
+class _Call:
+    """Per-request state shared by the attempts."""
+
+    __slots__ = ("endpoint", "method", "path", "query", "body", "headers", "stream",
+                 "tap_strip", "request_id", "route", "decision", "receipt_ok",
+                 "prompt_tokens", "cached_tokens", "ttfb_s", "replica", "done")
+
+    def __init__(self, *, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
+                 headers: dict[str, str], stream: bool, tap_strip: bool, request_id: str,
+                 route: RouteRequest, decision: Decision) -> None:
+        self.endpoint = endpoint
+        self.method = method
+        self.path = path
+        self.query = query
+        self.body = body
+        self.headers = headers
+        self.stream = stream
+        self.tap_strip = tap_strip
+        self.request_id = request_id
+        self.route = route
+        self.decision = decision
+        self.receipt_ok = False
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.ttfb_s: float | None = None
+        self.replica: ReplicaId | None = None
+        self.done = False
+
+
+class Proxy:
+    """The proxy's hot path; built once in the lifespan with everything it needs."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        replicas: ReplicaRegistry,
+        load: LoadTracker,
+        metrics: RouterMetrics,
+        policies: PolicyRegistry,
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float],
+    ) -> None:
+        self._replicas = replicas
+        self._load = load
+        self._metrics = metrics
+        self._policies = policies
+        self._session = session
+        self._clock = clock
+        self._limit = settings.max_body_bytes
+        self._policy_header = settings.policy_header.lower().encode("latin-1")
+        self._session_header = settings.session_header.lower().encode("latin-1")
+        t = settings.timeouts
+        self._stream_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s,
+                                                     sock_read=t.stream_read_s)
+        self._plain_timeout = aiohttp.ClientTimeout(sock_connect=t.connect_s,
+                                                    sock_read=t.non_stream_read_s)
+        f = settings.failover
+        self._backoff = Backoff(f.backoff_base_s, f.backoff_cap_s, f.max_attempts)
+        self._passive = settings.health.passive_failures
+        self._retry_after = max(1, round(settings.health.interval_s))
+        self._urls: dict[tuple[ReplicaId, str], URL] = {}
+        self._requests_child: dict[tuple[str, int], Any] = {}
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """Serve one proxied request (ASGI)."""
+        t0 = self._clock()
+        status = 500
+        try:
+            status = await self._handle(scope, receive, send, endpoint)
+        finally:
+            key = (endpoint, status)
+            child = self._requests_child.get(key)
+            if child is None:
+                child = self._requests_child[key] = self._metrics.requests.labels(
+                    endpoint, str(status))
+            child.inc()
+            self._metrics.request_duration.labels(endpoint).observe(self._clock() - t0)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> int:
+        try:
+            inc = scan_headers(scope["headers"], self._policy_header, self._session_header)
+            request_id = inc.request_id or os.urandom(16).hex()
+        except RouterError as exc:
+            return await _send_error(send, exc, os.urandom(16).hex())
+        try:
+            body = await read_body(receive, self._limit, inc.content_length)
+            parsed = parse_body(endpoint, body)
+            model = parsed.get("model") if parsed is not None else None
+            if model is not None and not isinstance(model, str):
+                model = None
+            route = RouteRequest(
+                request_id=request_id, endpoint=endpoint, path=scope["path"], model=model,
+                body=parsed, session_key=inc.session or _user(parsed),
+                policy_override=inc.policy,
+            )
+            policy = self._policies.get(inc.policy) if inc.policy else self._policies.default
+            candidates, known = self._replicas.candidates(model)
+            if not candidates:
+                if not known:
+                    raise UnknownModel(f"The model '{model}' does not exist")
+                raise NoHealthyReplica("no healthy replica can serve this request",
+                                       retry_after_s=self._retry_after)
+            decision = await policy.route(route, candidates)
+        except ClientDisconnected:
+            self._metrics.client_disconnects.inc()
+            return _CLIENT_GONE
+        except RouterError as exc:
+            return await _send_error(send, exc, request_id)
+        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+
+        stream = parsed is not None and endpoint != "other" and parsed.get("stream") is True
+        strip = False
+        if stream and decision.want_usage and parsed is not None:
+            options = parsed.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                body = inject_include_usage(body, parsed)
+                strip = True
+        headers = inc.forward
+        headers["x-request-id"] = request_id
+        call = _Call(endpoint=endpoint, method=scope["method"], path=scope["path"],
+                     query=scope.get("query_string", b""), body=body, headers=headers,
+                     stream=stream, tap_strip=strip, request_id=request_id, route=route,
+                     decision=decision)
+        prompt_tokens = decision.prompt_tokens
+        if prompt_tokens is None:
+            prompt_tokens = len(body) // 4  # load estimate only: ~4 bytes of JSON per token
+        _log.debug("request %s -> %s (%s/%s)", request_id, decision.replicas[0],
+                   decision.policy, decision.reason)
+        return await self._run_watched(call, policy, prompt_tokens, receive, send)
+
+    async def _run_watched(self, call: _Call, policy: Policy, prompt_tokens: int,
+                           receive: Receive, send: Send) -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not call.done:
+                        gone = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            return await self._attempts(call, prompt_tokens, send)
+        except asyncio.CancelledError:
+            if gone and task.uncancel() == 0:
+                self._metrics.client_disconnects.inc()
+                return _CLIENT_GONE
+            raise
+        finally:
+            watcher.cancel()
+            replica = call.replica or call.decision.replicas[0]
+            receipt = Receipt(replica, call.receipt_ok, call.prompt_tokens, call.cached_tokens,
+                              call.ttfb_s)
+            try:
+                policy.record(call.route, call.decision, receipt)
+            except Exception:  # a policy bug must not break the response path
+                _log.exception("policy %s failed to record request %s",
+                               call.decision.policy, call.request_id)
+
+    # ------------------------------------------------------------------ attempts
+    async def _attempts(self, call: _Call, prompt_tokens: int, send: Send) -> int:
+        decision: Decision = call.decision
+        order = decision.replicas
+        attempts = min(len(order), self._backoff.max_attempts)
+        last_error: UpstreamError | None = None
+        for i in range(attempts):
+            replica = order[i]
+            if i:
+                self._metrics.failovers.labels(order[i - 1]).inc()
+                delay = self._backoff.compute(i)
+                if delay:
+                    await asyncio.sleep(delay)
+            call.replica = replica
+            try:
+                return await self._attempt(call, replica, prompt_tokens, send,
+                                           last=i == attempts - 1)
+            except _Retry as retry:
+                self._metrics.upstream_requests.labels(replica, retry.outcome).inc()
+                if retry.outcome == "connect_error" and self._passive:
+                    self._replicas.record_probe(replica, False)
+                last_error = retry.error
+        assert last_error is not None
+        return await _send_error(send, last_error, call.request_id)
+
+    def _url(self, replica: ReplicaId, path: str, query: bytes) -> URL:
+        if query:
+            return URL(f"{self._replicas[replica].url}{path}?{query.decode('latin-1')}",
+                       encoded=True)
+        key = (replica, path)
+        url = self._urls.get(key)
+        if url is None:
+            url = URL(self._replicas[replica].url + path, encoded=True)
+            if len(self._urls) < 1024:
+                self._urls[key] = url
+        return url
+
+    async def _attempt(self, call: _Call, replica: ReplicaId, prompt_tokens: int, send: Send,
+                       *, last: bool) -> int:
+        outcome: Outcome = "cancelled"
+        async with self._load.lease(replica, prompt_tokens) as lease:
+            t_up = self._clock()
+            try:
+                resp = await self._session.request(
+                    call.method, self._url(replica, call.path, call.query), data=call.body,
+                    headers=call.headers, allow_redirects=False,
+                    timeout=self._stream_timeout if call.stream else self._plain_timeout,
+                )
+            except TimeoutError as exc:
+                raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
+                             "timeout") from exc
+            except _CONNECT_ERRORS as exc:
+                raise _Retry(ReplicaUnavailable(f"cannot reach replica {replica}: {exc}"),
+                             "connect_error") from exc
+            counted = False
+            try:
+                status = resp.status
+                if status >= 500 and not last:
+                    raise _Retry(ReplicaUnavailable(f"replica {replica} answered {status}"),
+                                 "http_5xx")
+                if call.stream and status == 200:
+                    outcome = await self._relay_stream(call, replica, resp, lease, send, t_up)
+                else:
+                    outcome = await self._relay_plain(call, replica, resp, lease, send, t_up)
+                return status
+            except _Retry:
+                counted = True  # the caller counts it
+                raise
+            finally:
+                resp.release()
+                if not counted:
+                    self._count(replica, outcome, resp.status)
+
+    def _count(self, replica: ReplicaId, outcome: Outcome, status: int) -> None:
+        if outcome == "ok" and status >= 400:
+            outcome = "http_5xx" if status >= 500 else "http_4xx"
+        self._metrics.upstream_requests.labels(replica, outcome).inc()
+
+    def _headers(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+                 length: int | None) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _RESP_HOP]
+        if length is not None:
+            headers.append((b"content-length", str(length).encode()))
+        headers.append((b"x-request-id", call.request_id.encode("latin-1")))
+        headers.append((b"x-kvroute-replica", replica.encode("latin-1")))
+        decision: Decision = call.decision
+        headers.append((b"x-kvroute-reason", decision.reason.encode("latin-1")))
+        if decision.predicted_cached_tokens is not None:
+            headers.append((b"x-kvroute-predicted-cached-tokens",
+                            str(decision.predicted_cached_tokens).encode()))
+        return headers
+
+    async def _first_chunk(self, replica: ReplicaId, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.content.readany()
+        except TimeoutError as exc:
+            raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
+                         "timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                         "connect_error") from exc
+
+    async def _relay_plain(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+                           lease: Lease, send: Send, t_up: float) -> Outcome:
+        """A non-streaming answer (or any non-200 / non-SSE one), relayed chunk by chunk;
+        chat/completions JSON answers are read whole for their usage."""
+        if call.endpoint != "other":
+            try:
+                body = await resp.read()
+            except TimeoutError as exc:
+                raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
+                             "timeout") from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                             "connect_error") from exc
+            self._first_byte(call, replica, lease, t_up)
+            if resp.status == 200:
+                call.prompt_tokens, call.cached_tokens = usage_of_body(body)
+                call.receipt_ok = True
+            call.done = True
+            await send({"type": "http.response.start", "status": resp.status,
+                        "headers": self._headers(call, replica, resp, len(body))})
+            await send({"type": "http.response.body", "body": body})
+            return "ok"
+        chunk = await self._first_chunk(replica, resp)
+        self._first_byte(call, replica, lease, t_up)
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": self._headers(call, replica, resp, None)})
+        return await self._pump(call, resp, chunk, None, send)
+
+    async def _relay_stream(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+                            lease: Lease, send: Send, t_up: float) -> Outcome:
+        chunk = await self._first_chunk(replica, resp)
+        self._first_byte(call, replica, lease, t_up)
+        tap = UsageTap(strip=call.tap_strip)
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": self._headers(call, replica, resp, None)})
+        outcome = await self._pump(call, resp, chunk, tap, send)
+        call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
+        call.receipt_ok = outcome == "ok"
+        return outcome
+
+    def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, t_up: float) -> None:
+        lease.first_byte()
+        call.ttfb_s = ttfb = self._clock() - t_up
+        self._metrics.ttfb.labels(replica).observe(ttfb)
+
+    async def _pump(self, call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
+                    tap: UsageTap | None, send: Send) -> Outcome:
+        """Relay ``chunk`` and every later one; end the body (with an SSE error event if
+        the upstream fails after the first byte)."""
+        content = resp.content
+        try:
+            while chunk:
+                out = tap.feed(chunk) if tap is not None else chunk
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                chunk = await content.readany()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            code = "replica_timeout" if isinstance(exc, asyncio.TimeoutError) else "replica_failed"
+            _log.warning("request %s: replica failed mid-stream: %r", call.request_id, exc)
+            call.done = True
+            tail = (tap.flush() if tap is not None else b"")
+            await send({"type": "http.response.body",
+                        "body": tail + sse_error_event(f"upstream failed mid-stream: {exc!r}",
+                                                       code)})
+            return "midstream_error"
+        call.done = True
+        tail = tap.flush() if tap is not None else b""
+        await send({"type": "http.response.body", "body": tail})
+        return "ok"
+
+
+def _user(parsed: Mapping[str, Any] | None) -> str | None:
+    if parsed is None:
+        return None
+    user = parsed.get("user")
+    return user if isinstance(user, str) else None
+
+
+async def _send_error(send: Send, exc: RouterError, request_id: str) -> int:
+    resp = to_response(exc)
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(resp.body)).encode()),
+               (b"x-request-id", request_id.encode("latin-1")), *resp.headers]
+    await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+    await send({"type": "http.response.body", "body": resp.body})
+    return resp.status
+

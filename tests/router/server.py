@@ -1,0 +1,53 @@
+"""``run_server``: the router app under a real uvicorn on a free loopback port, in the test's
+event loop (httptools, like production), stopped and awaited on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from starlette.applications import Starlette
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # the test process keeps its handlers
+        pass
+
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+
+@asynccontextmanager
+async def run_server(app: Starlette, *, grace_s: int = 5) -> AsyncIterator[str]:
+    """Serve ``app``; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, http="httptools", lifespan="on", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=grace_s,
+                            server_header=False, date_header=False)
+    server = _Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("server did not start")
+            await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
