@@ -1,4 +1,8 @@
-"""Subcommands of ``kvroute`` that belong to ``replica``."""
+"""Subcommands of ``kvroute`` that belong to ``replica``.
+
+* ``kvroute sim``: a simulated vLLM V1 replica (``replica.sim_server``).
+* ``kvroute replica vllm ...``: real vLLM, registered by ``replica.vllm_cli`` (see below).
+"""
 
 from __future__ import annotations
 
@@ -6,5 +10,65 @@ import argparse
 from typing import Any
 
 
-def register(sub: "argparse._SubParsersAction[Any]") -> None:
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
+    _register_sim(sub)
+    # --- real vLLM: `kvroute replica vllm ...` (H5) registers its subcommands here. ---
+
+
+def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="run a simulated vLLM V1 replica",
+        description="A simulated replica that behaves like a vLLM 0.32 server to a router: "
+        "OpenAI API, prefix cache with vLLM's block semantics, KV events over ZMQ, metrics.",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks incl. the null block (default: from the profile)")
+    p.add_argument("--profile", default="default", help="timing profile (replica.profiles)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="wall seconds per simulated second (1 = real time, 0.01 = 100x "
+                   "faster, 0 = virtual time, as fast as the CPU allows)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the engine-side block hash")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="ZMQ PUB endpoint (vLLM's bind/connect rule); default: a free "
+                   "loopback port, see GET /kv_event_sources")
+    p.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER replay endpoint")
+    p.add_argument("--topic", default="", help="first frame of every event message")
+    p.add_argument("--no-kv-events", action="store_true", help="publish no KV events")
+    p.add_argument("--legacy-event-encoding", action="store_true",
+                   help="tagged-array events (vLLM <= 0.23) instead of 0.24+ tagged maps")
+    p.add_argument("--legacy-replay", action="store_true",
+                   help="replay replies without the topic frame (vLLM <= 0.24)")
+    p.add_argument("--cpu-offload-blocks", type=int, default=0,
+                   help="host-tier capacity in blocks (0: no CPU offload)")
+    p.add_argument("--cpu-offload-bandwidth", type=float, default=25e9,
+                   help="host-to-GPU bandwidth in bytes/s")
+    p.add_argument("--no-prompt-tokens-details", action="store_true",
+                   help="omit usage.prompt_tokens_details (vLLM's default without "
+                   "--enable-prompt-tokens-details)")
+    p.add_argument("--fault-hang", action="store_true")
+    p.add_argument("--fault-slow-first-token", type=float, default=0.0, metavar="SECONDS")
+    p.add_argument("--fault-error-status", type=int, default=None)
+    p.add_argument("--fault-drop-events", type=int, default=0, metavar="N")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_run_sim)
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from replica.sim_main import serve_forever
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve_forever(args))
