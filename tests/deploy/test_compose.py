@@ -302,8 +302,10 @@ def test_router_config_names_what_the_stack_provides(
             f"tcp://{replica.id}:{bound_port(cfg['replay_endpoint'])}"
         )
         sim = command(services[by_profile["sim"][replica.id]])
-        assert replica.kv_events_endpoint.endswith(f":{flag(sim, '--kv-events-port')}")
-        assert replica.replay_endpoint.endswith(f":{flag(sim, '--replay-port')}")
+        events, replay = flag(sim, "--kv-events-endpoint"), flag(sim, "--replay-endpoint")
+        assert events is not None and replay is not None, "the sim's endpoints are fixed"
+        assert replica.kv_events_endpoint == f"tcp://{replica.id}:{bound_port(events)}"
+        assert replica.replay_endpoint == f"tcp://{replica.id}:{bound_port(replay)}"
 
 
 def test_published_ports_are_loopback_only(services: dict[str, dict[str, Any]]) -> None:
@@ -325,12 +327,17 @@ def test_bind_mounts_exist_and_named_volumes_are_declared(
                 assert source in declared, f"{name} uses undeclared volume {source}"
 
 
-def test_dependencies_exist(services: dict[str, dict[str, Any]]) -> None:
+def test_dependencies_exist_in_every_profile_that_needs_them(
+    services: dict[str, dict[str, Any]],
+) -> None:
     for name, svc in services.items():
-        deps = svc.get("depends_on", [])
-        for dep in deps:
+        for dep in svc.get("depends_on", []):
             assert dep in services, f"{name} depends on unknown service {dep}"
-            assert not services[dep].get("profiles"), f"{name} depends on profiled {dep}"
+            needed = set(svc.get("profiles") or [])
+            provided = set(services[dep].get("profiles") or [])
+            assert not provided or (needed and needed <= provided), (
+                f"{name} depends on {dep}, which its profiles {needed or 'default'} lack"
+            )
 
 
 # --- Prometheus -----------------------------------------------------------------------------

@@ -29,6 +29,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from replica.tiny_tokenizer import build_tokenizer
+
 VLLM_DOCUMENTED = {
     # vLLM 0.32 PrometheusStatLogger, exposed names (docs/vllm-interfaces.md section 5).
     "vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -141,8 +143,12 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
     """Scrape a live simulated replica and a live router in front of it, after one
     request went through.  Their output is in the test's temporary folder."""
     logs = tmp_path_factory.mktemp("scrape")
+    tokenizer = build_tokenizer(logs / "tokenizer", template="llama3")
     sim_port, router_port = _free_port(), _free_port()
-    sim = _kvroute(logs / "sim.log", "sim", "--host", "127.0.0.1", "--port", str(sim_port))
+    sim = _kvroute(
+        logs / "sim.log", "sim", "--host", "127.0.0.1", "--port", str(sim_port),
+        "--model", "tiny-llama", "--tokenizer", str(tokenizer), "--time-scale", "0",
+    )  # fmt: skip
     router: subprocess.Popen[bytes] | None = None
     try:
         _wait_http(f"http://127.0.0.1:{sim_port}/health", sim)
