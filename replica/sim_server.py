@@ -459,12 +459,12 @@ class SimServer:
                 await wake.wait()
             if self.faults.slow_first_token_s > 0:
                 await asyncio.sleep(self.faults.slow_first_token_s)
-            return _json(self._full_body(req, chat))
+            return _json(self._full_body(req, chat, _wants_timing(body)))
         finally:
             if not req.finished:
                 self.engine.abort(req)
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
+    def _usage(self, req: SimRequest, timing: bool = False) -> dict[str, Any]:
         n_out = req.num_output
         usage: dict[str, Any] = {
             "prompt_tokens": req.num_prompt,
@@ -473,13 +473,18 @@ class SimServer:
         }
         if self.settings.enable_prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": max(req.num_cached_tokens, 0)}
+        if timing and req.first_token_s is not None:
+            # Opt-in (body ``vllm_xargs.kvroute_sim_timing``), for kvroute's benchmark: the
+            # TTFT in simulated seconds, free of the wall-clock HTTP overhead that a time
+            # scale would magnify.  Not a vLLM field.
+            usage["kvroute_sim"] = {"ttft_s": round(req.first_token_s - req.arrival_s, 6)}
         return usage
 
     def _text(self, ids: list[int]) -> str:
         piece = self.renderer.piece
         return "".join([piece(t) for t in ids])
 
-    def _full_body(self, req: SimRequest, chat: bool) -> dict[str, Any]:
+    def _full_body(self, req: SimRequest, chat: bool, timing: bool = False) -> dict[str, Any]:
         text = self._text(req.output_ids)
         created = int(time.time())
         if chat:
@@ -501,7 +506,7 @@ class SimServer:
                 "prompt_token_ids": None,
             }
             obj = "text_completion"
-        usage = self._usage(req)
+        usage = self._usage(req, timing)
         if self.settings.enable_prompt_tokens_details:
             usage["prompt_tokens_details"].update(
                 {"created_cache_tokens": None, "multimodal_tokens": None}
@@ -562,7 +567,7 @@ class SimServer:
             if done:
                 if include_usage:
                     out += b"data: " + head + b',"choices":[],"usage":' + orjson.dumps(
-                        self._usage(req)
+                        self._usage(req, _wants_timing(body))
                     ) + b"}\n\n"
                 out += b"data: [DONE]\n\n"
                 await resp.write(bytes(out))
@@ -570,6 +575,11 @@ class SimServer:
             await resp.write(bytes(out))
         await resp.write_eof()
         return resp
+
+
+def _wants_timing(body: Mapping[str, Any]) -> bool:
+    xargs = body.get("vllm_xargs")
+    return isinstance(xargs, dict) and bool(xargs.get("kvroute_sim_timing"))
 
 
 @dataclass(frozen=True, slots=True)
