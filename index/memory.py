@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Final
 
-from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
+from index.masks import scan_masks
+from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp
+from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 __all__ = ["InMemoryIndex"]
 
@@ -76,8 +78,8 @@ class InMemoryIndex:
     def _repack(self, stride: int) -> None:
         old, lim = self._stride, (1 << self._stride) - 1
         for k, v in self._masks.items():
-            self._masks[k] = (v & lim) | ((v >> old) & lim) << stride | (v >> 2 * old) << (
-                2 * stride
+            self._masks[k] = (
+                (v & lim) | ((v >> old) & lim) << stride | (v >> 2 * old) << (2 * stride)
             )
         self._stride = stride
 
@@ -160,54 +162,7 @@ class InMemoryIndex:
         active = (v | v >> s | v >> 2 * s) & lim & allowed
         if not active:
             return PrefixHits()
-        runs: dict[int, int] = {}
-        slow: dict[int, list[int]] | None = None  # bit -> [cpu, storage] blocks
-        n = len(keys)
-        values = list(map(masks.get, keys, repeat(0, n)))
-        for i, v in enumerate(values):
-            if v & active == active and v <= lim:
-                continue  # the hot path: every active replica holds it on GPU
-            if v <= lim:
-                held = v
-                offload = 0
-            else:
-                held = (v | v >> s | v >> 2 * s) & lim
-                offload = active & held & ~v
-            still = active & held
-            if still != active:
-                gone = active & ~still
-                while gone:
-                    low = gone & -gone
-                    runs[low.bit_length() - 1] = i
-                    gone ^= low
-                active = still
-                if not active:
-                    break
-            if offload:
-                if slow is None:
-                    slow = {}
-                cpu = v >> s
-                while offload:
-                    low = offload & -offload
-                    b = low.bit_length() - 1
-                    c = slow.setdefault(b, [0, 0])
-                    c[0 if cpu & low else 1] += 1
-                    offload ^= low
-        while active:
-            low = active & -active
-            runs[low.bit_length() - 1] = n
-            active ^= low
-        ids = self._ids
-        out: dict[ReplicaId, ReplicaHit] = {}
-        for b, run in runs.items():
-            if run == 0:
-                continue
-            if slow is not None and b in slow:
-                cpu_n, sto_n = slow[b]
-                out[ids[b]] = ReplicaHit(run - cpu_n - sto_n, cpu_n, sto_n)
-            else:
-                out[ids[b]] = ReplicaHit(run)
-        return PrefixHits(out)
+        return scan_masks(list(map(masks.get, keys, repeat(0, len(keys)))), active, s, self._ids)
 
     async def add(
         self,
@@ -240,6 +195,11 @@ class InMemoryIndex:
         self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium
     ) -> int:
         """Record a token-less store for known engine keys; return how many resolved."""
+        return self._add_by_engine_key(replica, engine_keys, medium)
+
+    def _add_by_engine_key(
+        self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium
+    ) -> int:
         r = self._replicas.get(replica)
         if r is None:
             return 0
@@ -290,6 +250,36 @@ class InMemoryIndex:
             return None
         e = r.engine.get(engine_key)
         return None if e is None else RequestKey(e & _U64)
+
+    async def request_keys(
+        self, replica: ReplicaId, engine_keys: Sequence[EngineKey]
+    ) -> list[RequestKey | None]:
+        """``request_key`` for several engine keys."""
+        r = self._replicas.get(replica)
+        if r is None:
+            return [None] * len(engine_keys)
+        get = r.engine.get
+        out: list[RequestKey | None] = []
+        for ek in engine_keys:
+            e = get(ek)
+            out.append(None if e is None else RequestKey(e & _U64))
+        return out
+
+    async def apply(self, replica: ReplicaId, ops: Sequence[IndexOp]) -> None:
+        """Apply ``ops`` in order (atomic: nothing awaits in between)."""
+        self.apply_sync(replica, ops)
+
+    def apply_sync(self, replica: ReplicaId, ops: Sequence[IndexOp]) -> None:
+        """``apply`` without the coroutine."""
+        for op in ops:
+            if isinstance(op, AddOp):
+                self.add_sync(replica, op.engine_keys, op.request_keys, op.medium)
+            elif isinstance(op, EvictOp):
+                self.evict_sync(replica, op.engine_keys, op.medium)
+            elif isinstance(op, AddByEngineKeyOp):
+                self._add_by_engine_key(replica, op.engine_keys, op.medium)
+            elif isinstance(op, ClearOp):
+                self.clear_sync(replica)
 
     async def clear(self, replica: ReplicaId) -> None:
         """Forget everything ``replica`` holds."""

