@@ -19,7 +19,7 @@ Replies (``RunConfig.replies``):
 
 Per request it records: the replica and reason (``x-kvroute-*`` headers when a kvroute
 router is in front), the wall time to the first streamed chunk, the simulated TTFT when the
-replica reports one (``usage.kvroute_sim.ttft_s``, see ``bench.fleet``), ``usage``
+replica reports one (``usage.kvroute_sim.ttft_s``, asked for with ``sim_timing``), ``usage``
 (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``, via
 ``stream_options.include_usage``), and errors.  Requests that fail are recorded and the
 conversation continues with the trace's reply.
@@ -67,6 +67,12 @@ class RunConfig:
     """Longest gap between bytes of one response."""
     max_connections: int = 512
     temperature: float | None = 0.0
+    max_tokens_cap: int | None = None
+    """Cap the generated tokens per turn (the history still carries the trace's reply);
+    TTFT, the figure compared, does not depend on it, and short generations keep a
+    simulated benchmark within the CPU of a small machine."""
+    sim_timing: bool = False
+    """Ask a simulated replica for its simulated TTFT (``vllm_xargs.kvroute_sim_timing``)."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -198,9 +204,11 @@ class Runner:
         body: dict[str, Any] = {
             "model": turn.model or cfg.model,
             "messages": messages,
-            "max_tokens": turn.max_tokens,
+            "max_tokens": min(turn.max_tokens, cfg.max_tokens_cap or turn.max_tokens),
             "stream": cfg.stream,
         }
+        if cfg.sim_timing:
+            body["vllm_xargs"] = {"kvroute_sim_timing": True}
         if cfg.stream:
             body["stream_options"] = {"include_usage": True}
         if cfg.temperature is not None:

@@ -1,0 +1,291 @@
+"""A simulated fleet (``kvroute sim`` replicas) and a router (``kvroute serve``), as child
+processes of the benchmark, started and stopped as one unit.
+
+``Fleet`` is an async context manager.  On entry it starts the replicas concurrently,
+each on a free loopback port (the replica prints a JSON line with its URL), waits for
+their ``/health``, then starts the router on a free port in front of them and waits for
+``/ready``.  On exit, for any reason (an error, ``Ctrl-C``, a cancelled task), it sends
+SIGTERM to every process it started, waits for them briefly, and SIGKILLs the rest.
+Each child runs in its own session (process group), and only those groups are signalled.
+
+Children are ``sys.executable -m kvroute ...``: bench never imports ``router`` or
+``replica``; they meet over HTTP as in production.  Each child's stdout and stderr go to
+a log file in ``FleetSpec.log_dir`` (no pipes to fill up); the tail of the log is put in
+the error when a child fails to start.
+
+``build_tokenizer_dir`` makes the tiny test tokenizer (and model) the fleet needs through
+``kvroute replica tiny-model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+START_TIMEOUT_S = 60.0
+"""How long a child may take to come up (Python start-up on a busy 2-core box is slow)."""
+STOP_TIMEOUT_S = 8.0
+"""How long a child gets to exit after SIGTERM before SIGKILL."""
+
+
+class FleetError(RuntimeError):
+    """A fleet process failed to start or died."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """What to start."""
+
+    tokenizer: Path
+    replicas: int = 4
+    model: str = "kvroute-demo"
+    block_size: int = 16
+    num_blocks: int | None = None
+    """KV blocks per replica, the null block included (``None``: the profile's)."""
+    time_scale: float = 1.0
+    profile: str = "default"
+    router: bool = True
+    policy: str | None = None
+    """The router's default policy (``None``: its own default)."""
+    router_args: tuple[str, ...] = ()
+    sim_args: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    wrap: tuple[str, ...] = ()
+    """A command prefix for every child, e.g. ``("ip", "netns", "exec", "kvbench-1")``."""
+
+
+@dataclass(slots=True)
+class _Child:
+    name: str
+    proc: asyncio.subprocess.Process
+    log: Path
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kvroute_command(*args: str) -> list[str]:
+    """The command line of a ``kvroute`` subcommand run by this interpreter."""
+    return [sys.executable, "-m", "kvroute", *args]
+
+
+class Fleet:
+    """Replicas plus a router, as child processes (see the module docstring)."""
+
+    def __init__(self, spec: FleetSpec) -> None:
+        if spec.replicas < 1:
+            raise ValueError("a fleet needs at least one replica")
+        self.spec = spec
+        self.replica_urls: list[str] = []
+        self.router_url: str | None = None
+        self._children: list[_Child] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        """Where to send traffic: the router, or the only replica when there is no router."""
+        if self.router_url is not None:
+            return self.router_url
+        return self.replica_urls[0]
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the children still tracked."""
+        return [c.proc.pid for c in self._children]
+
+    async def __aenter__(self) -> Fleet:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _log_dir(self) -> Path:
+        if self.spec.log_dir is not None:
+            self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+            return self.spec.log_dir
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-fleet-")
+        return Path(self._tmp.name)
+
+    async def _spawn(self, name: str, argv: Sequence[str]) -> _Child:
+        log = self._log_dir() / f"{name}.log"
+        with log.open("wb") as fh:
+            proc = await asyncio.create_subprocess_exec(
+                *self.spec.wrap, *argv,
+                stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, **self.spec.env},
+            )
+        child = _Child(name, proc, log)
+        self._children.append(child)
+        return child
+
+    async def start(self) -> None:
+        """Start the replicas, then the router; returns once all are ready."""
+        spec = self.spec
+        sims = []
+        for i in range(spec.replicas):
+            argv = kvroute_command(
+                "sim", "--host", "127.0.0.1", "--port", str(free_port()),
+                "--model", spec.model, "--tokenizer", str(spec.tokenizer),
+                "--block-size", str(spec.block_size), "--time-scale", str(spec.time_scale),
+                "--profile", spec.profile, "--seed", str(i), "--log-level", "WARNING",
+                *(["--num-blocks", str(spec.num_blocks)] if spec.num_blocks else []),
+                *spec.sim_args,
+            )
+            sims.append(await self._spawn(f"replica{i}", argv))
+        self.replica_urls = list(
+            await asyncio.gather(*(self._wait_sim(c) for c in sims))
+        )
+        if not spec.router:
+            return
+        port = free_port()
+        argv = kvroute_command(
+            "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            *[a for url in self.replica_urls for a in ("--replica", url)],
+            *(["--policy", spec.policy] if spec.policy else []),
+            *spec.router_args,
+        )
+        router = await self._spawn("router", argv)
+        url = f"http://127.0.0.1:{port}"
+        await self._wait_http(router, url + "/ready")
+        self.router_url = url
+
+    async def _wait_sim(self, child: _Child) -> str:
+        """The URL a replica prints on its first stdout line, once it answers /health."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        url: str | None = None
+        while url is None:
+            self._check_alive(child)
+            with contextlib.suppress(OSError, ValueError):
+                for line in child.log.read_text(errors="replace").splitlines():
+                    if line.startswith("{") and '"url"' in line:
+                        url = str(json.loads(line)["url"])
+                        break
+            if url is None:
+                if time.monotonic() > deadline:
+                    raise FleetError(f"{child.name} did not start: {self._tail(child)}")
+                await asyncio.sleep(0.05)
+        await self._wait_http(child, url + "/health", deadline)
+        return url
+
+    async def _wait_http(self, child: _Child, url: str, deadline: float | None = None) -> None:
+        deadline = deadline or time.monotonic() + START_TIMEOUT_S
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            while True:
+                self._check_alive(child)
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with http.get(url) as resp:
+                        if resp.status == 200:
+                            return
+                if time.monotonic() > deadline:
+                    raise FleetError(f"{child.name} not ready at {url}: {self._tail(child)}")
+                await asyncio.sleep(0.05)
+
+    def _check_alive(self, child: _Child) -> None:
+        if child.proc.returncode is not None:
+            raise FleetError(
+                f"{child.name} exited with status {child.proc.returncode}: {self._tail(child)}"
+            )
+
+    @staticmethod
+    def _tail(child: _Child, n: int = 1500) -> str:
+        try:
+            return child.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+    async def stop(self) -> None:
+        """Stop every child: SIGTERM, a grace period, then SIGKILL.  Idempotent, and safe
+        to call from cancellation (it shields itself)."""
+        children, self._children = self._children, []
+        if children:
+            await asyncio.shield(_terminate(children))
+        self.router_url = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        # The child leads its own session (start_new_session): its group id is its pid.
+        os.killpg(proc.pid, sig)
+
+
+async def _terminate(children: Sequence[_Child]) -> None:
+    for c in children:
+        _signal_group(c.proc, signal.SIGTERM)
+    waits = [asyncio.wait_for(c.proc.wait(), STOP_TIMEOUT_S) for c in children]
+    results = await asyncio.gather(*waits, return_exceptions=True)
+    for c, r in zip(children, results, strict=True):
+        if isinstance(r, BaseException):
+            _signal_group(c.proc, signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(c.proc.wait(), STOP_TIMEOUT_S)
+
+
+_BUILD_TOKENIZER = (
+    "import sys; from replica.tiny_tokenizer import build_tokenizer; "
+    "print(build_tokenizer(sys.argv[1], template=sys.argv[2]))"
+)
+
+
+async def _run_quiet(argv: Sequence[str]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), START_TIMEOUT_S)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode or 0, output.decode(errors="replace")
+
+
+async def build_tokenizer_dir(out: Path, template: str = "llama3") -> Path:
+    """The tiny test model directory (tokenizer + chat template) at ``out``, built once.
+
+    Through ``kvroute replica tiny-model``; where that subcommand is not available, the
+    tokenizer alone is built by ``replica.tiny_tokenizer`` in a child interpreter (bench
+    never imports ``replica``)."""
+    if (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    code, output = await _run_quiet(
+        kvroute_command("replica", "tiny-model", "--out", str(out), "--template", template)
+    )
+    if code != 0 and "invalid choice" in output:
+        code, output = await _run_quiet([sys.executable, "-c", _BUILD_TOKENIZER, str(out),
+                                         template])
+    if code != 0:
+        raise FleetError(f"building the tiny tokenizer failed: {output[-1500:]}")
+    return out
