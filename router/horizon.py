@@ -1,0 +1,151 @@
+"""The eviction horizon of each replica: how long an idle cached block survives.
+
+vLLM keeps freed blocks in an LRU free queue and allocates from its head, so a block
+freed now (a finished turn's KV) is evicted once every block ahead of it has been
+allocated.  Ahead of it are all currently free blocks (never-used ones and older cached
+ones alike: ``kv_cache_usage_perc`` counts evictable cached blocks as free).  Hence::
+
+    horizon_s = free_blocks / allocation_rate_blocks_per_s
+
+* ``free_blocks = num_gpu_blocks * (1 - kv_cache_usage_perc)`` from the scrape.
+* ``allocation_rate``: newly computed blocks per second, an exponentially weighted mean
+  over ``tau_s`` of counter deltas: prompt tokens computed (prompt tokens minus prefix
+  cache hits, or ``prompt_tokens_by_source{source="local_compute"}`` when exported) plus
+  generated tokens, over the block size.  KV events can feed the same estimator
+  (``observe_allocated``: ``BlockStored`` blocks) where the scrape lacks the counters.
+
+A horizon is ``None`` (unknown) without a fresh pool observation, and ``inf`` when
+nothing is being allocated (no churn, nothing gets evicted).  The scoring treats both as
+"no eviction risk"; the metric exports the finite values.
+
+The other half of the comparison is how long users take between turns (the think-time
+histogram lives in ``RouterMetrics``, fed from ``router.session_table``); this
+module only classifies a return as within or beyond the horizon of the replica holding
+the session.  Times are passed in: no clock here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from index.types import ReplicaId
+
+__all__ = ["HorizonEstimator", "PoolSample", "ReturnOutcome", "classify_return"]
+
+ReturnOutcome = Literal["within_horizon", "beyond_horizon", "unknown"]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSample:
+    """What one scrape of a replica tells about its KV pool and its churn."""
+
+    t: float
+    block_size: int | None
+    num_gpu_blocks: int | None
+    kv_usage: float | None
+    """``vllm:kv_cache_usage_perc`` in [0, 1]."""
+    computed_prompt_tokens_total: float | None
+    """Cumulative prompt tokens computed (not served from cache)."""
+    generation_tokens_total: float | None
+
+
+class _Replica:
+    __slots__ = (
+        "rate", "pending_blocks", "last_rate_t", "free_blocks", "pool_t",
+        "last_prompt", "last_gen", "block_size",
+    )
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self.pending_blocks = 0.0
+        self.last_rate_t: float | None = None
+        self.free_blocks: float | None = None
+        self.pool_t: float | None = None
+        self.last_prompt: float | None = None
+        self.last_gen: float | None = None
+        self.block_size: int | None = None
+
+
+class HorizonEstimator:
+    """Per-replica allocation rate and free pool, hence the eviction horizon."""
+
+    def __init__(self, *, tau_s: float = 30.0, stale_s: float = 10.0, min_dt_s: float = 0.5):
+        self.tau_s = tau_s
+        self.stale_s = stale_s
+        self.min_dt_s = min_dt_s
+        self._r: dict[ReplicaId, _Replica] = {}
+
+    def _get(self, replica: ReplicaId) -> _Replica:
+        state = self._r.get(replica)
+        if state is None:
+            state = self._r[replica] = _Replica()
+        return state
+
+    def observe_scrape(self, replica: ReplicaId, s: PoolSample) -> None:
+        """Fold one scrape in: pool size and counter deltas (counter resets are skipped)."""
+        st = self._get(replica)
+        if s.block_size:
+            st.block_size = s.block_size
+        if s.num_gpu_blocks is not None and s.kv_usage is not None:
+            usage = min(1.0, max(0.0, s.kv_usage))
+            st.free_blocks = s.num_gpu_blocks * (1.0 - usage)
+            st.pool_t = s.t
+        tokens = 0.0
+        if s.computed_prompt_tokens_total is not None:
+            if st.last_prompt is not None and s.computed_prompt_tokens_total >= st.last_prompt:
+                tokens += s.computed_prompt_tokens_total - st.last_prompt
+            st.last_prompt = s.computed_prompt_tokens_total
+        if s.generation_tokens_total is not None:
+            if st.last_gen is not None and s.generation_tokens_total >= st.last_gen:
+                tokens += s.generation_tokens_total - st.last_gen
+            st.last_gen = s.generation_tokens_total
+        if st.block_size:
+            self.observe_allocated(replica, s.t, tokens / st.block_size)
+
+    def observe_allocated(self, replica: ReplicaId, t: float, blocks: float) -> None:
+        """``blocks`` newly allocated at time ``t`` (from counters or ``BlockStored``)."""
+        st = self._get(replica)
+        st.pending_blocks += max(0.0, blocks)
+        if st.last_rate_t is None:
+            st.last_rate_t = t
+            st.pending_blocks = 0.0
+            return
+        dt = t - st.last_rate_t
+        if dt < self.min_dt_s:
+            return
+        sample = st.pending_blocks / dt
+        if st.rate is None:
+            st.rate = sample
+        else:
+            st.rate += (1.0 - math.exp(-dt / self.tau_s)) * (sample - st.rate)
+        st.pending_blocks = 0.0
+        st.last_rate_t = t
+
+    def allocation_rate(self, replica: ReplicaId) -> float | None:
+        """Blocks allocated per second (EWMA), if measured."""
+        st = self._r.get(replica)
+        return st.rate if st is not None else None
+
+    def horizon_s(self, replica: ReplicaId, now: float) -> float | None:
+        """Seconds an idle block freed now survives: ``None`` unknown, ``inf`` no churn."""
+        st = self._r.get(replica)
+        if st is None or st.free_blocks is None or st.pool_t is None:
+            return None
+        if now - st.pool_t > self.stale_s or st.rate is None:
+            return None
+        if st.rate <= 1e-9:
+            return math.inf
+        return st.free_blocks / st.rate
+
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop a replica's state (it restarted or left)."""
+        self._r.pop(replica, None)
+
+
+def classify_return(think_s: float, horizon_s: float | None) -> ReturnOutcome:
+    """Whether a session came back to its replica before its idle blocks were evicted."""
+    if horizon_s is None:
+        return "unknown"
+    return "within_horizon" if think_s <= horizon_s else "beyond_horizon"

@@ -1,0 +1,367 @@
+"""Pure scoring of replicas for one request: expected cached work against queued work.
+
+Contract: nothing in this module awaits, reads a clock, draws random numbers, logs or
+keeps state.  Every input (times, loads, index freshness, randomness for sampling) is an
+argument, so a decision can be replayed from its inputs and asserted in table tests.
+
+The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
+
+    score(r) = -alpha * new_tokens(r) - beta * queued_prefill_tokens(r) - gamma * decode_load(r)
+    new_tokens(r) = n - expected_cached_tokens(r)
+    expected_cached_tokens(r) = B * sum over usable matched blocks i of  P_i(r) * v_tier(i)
+
+* **Usable blocks** follow vLLM's last-token rule: at most ``(n - 1) // B`` leading blocks
+  can hit, because the engine always recomputes the last prompt token.  Matched blocks are
+  taken GPU first, then CPU, then storage (vLLM's GPU prefix lookup runs first and the
+  offload connector continues after it), so the cap drops the slowest tiers first.
+* **Tier value** ``v_tier``: GPU blocks count 1.  An offloaded block must be copied back,
+  which costs ``kv_bytes_per_token / bandwidth`` seconds per token, instead of being
+  recomputed at ``1 / prefill_tokens_per_s`` seconds per token, so it is worth
+  ``1 - reload_time / recompute_time`` clamped to ``[0, 1]`` (``tier_value``).  No magic
+  constant: the discount follows the configured link bandwidth and prefill rate.
+* **Hit probability** ``P_i = p_index * p_resident(exposure_i)``:
+
+  - ``p_index`` is how far the index is trusted for this replica (``Freshness``): lowered
+    while its event source is disconnected, for a while after a sequence gap or a
+    reset/restart (recovering linearly over a window), and by the receipt calibration
+    (how often this replica's reported ``cached_tokens`` fell short of predictions).
+  - ``p_resident`` is the chance a block is still resident when the request is
+    scheduled.  A vLLM block freed now is reused after everything ahead of it in the
+    free queue has been allocated, so an idle block survives about
+    ``horizon_s = free_blocks / allocation_rate`` seconds (``router.horizon``).  A block's
+    exposure is the event lag (the index reflects the replica as of ``lag`` ago) plus the
+    expected queue wait before the request is scheduled (``queued_prefill_tokens /
+    prefill_tokens_per_s``), plus, for the request's own tail blocks, the time since they
+    were last used (``age_s``: a session's think time).  Blocks that other replicas also
+    hold (``hot_blocks``: a popular prefix) are assumed recently touched (age 0).  The
+    survival curve is 1 up to ``(1 - spread) * horizon``, 0 after ``(1 + spread) *
+    horizon`` and linear between, because the horizon is an estimate.  An unknown
+    horizon (no churn measured) means no eviction risk.
+
+* ``queued_prefill_tokens`` and ``decode_load`` combine the router's own in-flight
+  accounting with the replica's scraped queue (``combine_load``): other routers send
+  traffic too, and a stale scrape is unknown, never zero.
+
+All weights are in tokens: ``alpha = beta = 1`` makes the score minus the prefill tokens
+the request would wait for plus compute, i.e. proportional to its time to first token
+on a prefill-bound replica; ``gamma`` converts one decoding sequence into the prefill
+tokens it displaces while the request waits.
+
+``pick`` orders the ranked replicas: the highest score wins; exact ties are broken by a
+preference order passed in (the request's consistent-hash ring order, so that equal
+replicas, e.g. all holding a shared system prompt with no load, still spread new
+conversations).  With ``temperature > 0`` it samples a softmax with a uniform number
+passed in instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+
+from index.types import ReplicaHit, ReplicaId
+
+__all__ = [
+    "CostModel",
+    "Freshness",
+    "LoadTerms",
+    "ReplicaInput",
+    "ReplicaScore",
+    "ScoringWeights",
+    "combine_load",
+    "index_trust",
+    "pick",
+    "rank_replicas",
+    "resident_probability",
+    "score_replica",
+    "tier_value",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """What it costs a replica to recompute a token versus reloading its KV from a tier.
+
+    Defaults size a Llama-3-8B class model (32 layers x 8 KV heads x 128 dims x 2 (K and
+    V) x 2 bytes = 128 KiB per token) on one H100-class GPU (~20k prefill tokens/s), with
+    PCIe Gen4 host links (~25 GB/s effective) and NVMe storage (~3 GB/s).  That gives a CPU
+    block ~0.9 of a GPU block and a storage block ~0.1: configure yours.
+    """
+
+    kv_bytes_per_token: float = 131072.0
+    prefill_tokens_per_s: float = 20000.0
+    cpu_bandwidth_bytes_per_s: float = 25e9
+    storage_bandwidth_bytes_per_s: float = 3e9
+
+
+def tier_value(bandwidth_bytes_per_s: float, costs: CostModel) -> float:
+    """The worth of one cached token reloaded over a link, in recomputed tokens.
+
+    ``1 - reload_time / recompute_time`` clamped to ``[0, 1]``; a non-positive bandwidth
+    makes reloading worthless (0)."""
+    if bandwidth_bytes_per_s <= 0 or costs.prefill_tokens_per_s <= 0:
+        return 0.0
+    reload_s = costs.kv_bytes_per_token / bandwidth_bytes_per_s
+    recompute_s = 1.0 / costs.prefill_tokens_per_s
+    return min(1.0, max(0.0, 1.0 - reload_s / recompute_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Freshness:
+    """How current the index is for one replica, as seen at decision time."""
+
+    lag_s: float = 0.0
+    """How long ago the index last reflected the replica: the transport lag of applied
+    events while connected; the time since the source went quiet while disconnected."""
+    connected: bool = True
+    since_gap_s: float | None = None
+    """Seconds since the last sequence gap (missed events), ``None`` if never."""
+    since_reset_s: float | None = None
+    """Seconds since the last reset (restart, ``AllBlocksCleared``, resync), if any."""
+    receipt_trust: float = 1.0
+    """Calibration from receipts in ``[0, 1]``: how much of predicted hits came true."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTerms:
+    """The load terms of the score, in the units the weights expect."""
+
+    queued_prefill_tokens: float = 0.0
+    """Prefill tokens ahead of this request (own not-yet-first-token + foreign waiting)."""
+    decode_load: float = 0.0
+    """Sequences decoding on the replica."""
+    known: bool = True
+    """False when neither own accounting nor a fresh scrape said anything."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInput:
+    """Everything the score of one replica depends on."""
+
+    replica: ReplicaId
+    hit: ReplicaHit
+    load: LoadTerms
+    freshness: Freshness = Freshness()
+    horizon_s: float | None = None
+    """Eviction horizon: how long an idle block survives; ``None`` = no eviction risk
+    measured."""
+    age_s: float = 0.0
+    """Seconds since this request's own (non-hot) blocks were last used on the replica."""
+    hot_blocks: int = 0
+    """Leading blocks of the run that are popular (held elsewhere too): age 0."""
+    costs: CostModel = CostModel()
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringWeights:
+    """The knobs of the score.  See the module docstring for the formula."""
+
+    alpha: float = 1.0
+    """Weight of the prefill tokens the replica would compute for this request."""
+    beta: float = 1.0
+    """Weight of the prefill tokens already queued there (same unit: equal by default)."""
+    gamma: float = 32.0
+    """Prefill-token equivalent of one decoding sequence (it shares every batch step)."""
+    horizon_spread: float = 0.5
+    """Relative uncertainty of the eviction horizon (survival ramps over +-spread)."""
+    disconnected_trust: float = 0.5
+    """Index trust for a replica whose event source is disconnected (lag adds to this)."""
+    gap_trust: float = 0.5
+    """Index trust right after a sequence gap; recovers linearly over ``gap_window_s``."""
+    gap_window_s: float = 30.0
+    reset_trust: float = 0.5
+    """Index trust right after a reset/restart; recovers over ``reset_window_s``."""
+    reset_window_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaScore:
+    """The score of one replica with its full breakdown (for logs, debug and tests)."""
+
+    replica: ReplicaId
+    matched_blocks: int
+    gpu_blocks: int
+    cpu_blocks: int
+    storage_blocks: int
+    usable_blocks: int
+    """Matched blocks after the last-token rule."""
+    predicted_cached_tokens: int
+    """Point prediction: the tokens the engine reports if the index is right."""
+    expected_cached_tokens: float
+    """``B * sum P_i * v_i``: what the score credits."""
+    p_index: float
+    p_resident_hot: float
+    p_resident_tail: float
+    wait_s: float
+    new_tokens: float
+    queued_prefill_tokens: float
+    decode_load: float
+    load_known: bool
+    score: float
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready breakdown."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def index_trust(f: Freshness, w: ScoringWeights) -> float:
+    """``p_index``: the product of the disconnection, gap, reset and receipt factors."""
+    p = min(1.0, max(0.0, f.receipt_trust))
+    if not f.connected:
+        p *= w.disconnected_trust
+    p *= _recovering(f.since_gap_s, w.gap_trust, w.gap_window_s)
+    p *= _recovering(f.since_reset_s, w.reset_trust, w.reset_window_s)
+    return p
+
+
+def _recovering(since_s: float | None, floor: float, window_s: float) -> float:
+    if since_s is None or window_s <= 0 or since_s >= window_s:
+        return 1.0
+    return floor + (1.0 - floor) * max(0.0, since_s) / window_s
+
+
+def resident_probability(exposure_s: float, horizon_s: float | None, spread: float) -> float:
+    """Chance an idle block is still resident after ``exposure_s`` seconds.
+
+    1 up to ``(1 - spread) * horizon``, 0 from ``(1 + spread) * horizon``, linear between;
+    1 when the horizon is unknown (``None``) or infinite."""
+    if horizon_s is None or math.isinf(horizon_s):
+        return 1.0
+    if horizon_s <= 0:
+        return 0.0
+    lo = (1.0 - spread) * horizon_s
+    hi = (1.0 + spread) * horizon_s
+    if exposure_s <= lo:
+        return 1.0
+    if exposure_s >= hi:
+        return 0.0
+    return (hi - exposure_s) / (hi - lo)
+
+
+def combine_load(
+    *,
+    own_queued_requests: int,
+    own_queued_prefill_tokens: float,
+    own_decoding: int,
+    scraped_waiting: float | None,
+    scraped_running: float | None,
+    foreign_prefill_tokens_per_request: float,
+) -> LoadTerms:
+    """Merge the router's own accounting with the replica's scraped gauges.
+
+    Scraped ``waiting`` includes our own queued requests, so only the excess counts as
+    foreign, each costed at ``foreign_prefill_tokens_per_request``; this never double
+    counts our own requests (it is a lower bound on foreign work).  Decode load is the
+    larger of our decoding count and the scraped running batch.  ``None`` scrapes (stale
+    or never scraped) are unknown and contribute nothing rather than zeros that would
+    mask our own accounting."""
+    queued = max(0.0, own_queued_prefill_tokens)
+    if scraped_waiting is not None:
+        foreign = max(0.0, scraped_waiting - own_queued_requests)
+        queued += foreign * max(0.0, foreign_prefill_tokens_per_request)
+    decode = float(max(0, own_decoding))
+    if scraped_running is not None:
+        decode = max(decode, scraped_running)
+    known = scraped_waiting is not None or scraped_running is not None or (
+        own_queued_requests > 0 or own_decoding > 0
+    )
+    return LoadTerms(queued_prefill_tokens=queued, decode_load=decode, known=known)
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def score_replica(
+    inp: ReplicaInput, prompt_tokens: int, block_size: int, w: ScoringWeights
+) -> ReplicaScore:
+    """Score one replica (see the module docstring)."""
+    hit = inp.hit
+    cap = max(0, (prompt_tokens - 1) // block_size) if block_size > 0 else 0
+    usable = min(hit.blocks, cap)
+    g = min(hit.gpu_blocks, usable)
+    c = min(hit.cpu_blocks, usable - g)
+    hot = min(max(0, inp.hot_blocks), usable)
+
+    p_index = index_trust(inp.freshness, w)
+    rate = inp.costs.prefill_tokens_per_s
+    queued = inp.load.queued_prefill_tokens
+    wait_s = queued / rate if rate > 0 else 0.0
+    base = max(0.0, inp.freshness.lag_s) + wait_s
+    p_hot = resident_probability(base, inp.horizon_s, w.horizon_spread)
+    p_tail = resident_probability(base + max(0.0, inp.age_s), inp.horizon_s, w.horizon_spread)
+
+    v_cpu = tier_value(inp.costs.cpu_bandwidth_bytes_per_s, inp.costs)
+    v_sto = tier_value(inp.costs.storage_bandwidth_bytes_per_s, inp.costs)
+    weighted = 0.0
+    for t0, t1, value in ((0, g, 1.0), (g, g + c, v_cpu), (g + c, usable, v_sto)):
+        if t1 > t0:
+            weighted += value * (
+                p_hot * _overlap(t0, t1, 0, hot) + p_tail * _overlap(t0, t1, hot, usable)
+            )
+    expected = block_size * p_index * weighted
+    new_tokens = max(0.0, prompt_tokens - expected)
+    score = -w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
+    return ReplicaScore(
+        replica=inp.replica,
+        matched_blocks=hit.blocks,
+        gpu_blocks=hit.gpu_blocks,
+        cpu_blocks=hit.cpu_blocks,
+        storage_blocks=hit.storage_blocks,
+        usable_blocks=usable,
+        predicted_cached_tokens=usable * block_size,
+        expected_cached_tokens=expected,
+        p_index=p_index,
+        p_resident_hot=p_hot,
+        p_resident_tail=p_tail,
+        wait_s=wait_s,
+        new_tokens=new_tokens,
+        queued_prefill_tokens=queued,
+        decode_load=inp.load.decode_load,
+        load_known=inp.load.known,
+        score=score,
+    )
+
+
+def rank_replicas(
+    inputs: Sequence[ReplicaInput], prompt_tokens: int, block_size: int, w: ScoringWeights
+) -> list[ReplicaScore]:
+    """Score every replica; best first, ties in input order (``sorted`` is stable)."""
+    scores = [score_replica(i, prompt_tokens, block_size, w) for i in inputs]
+    scores.sort(key=lambda s: -s.score)
+    return scores
+
+
+def pick(
+    ranked: Sequence[ReplicaScore],
+    *,
+    preference: Mapping[ReplicaId, int],
+    temperature: float = 0.0,
+    u: float = 0.0,
+) -> list[ReplicaScore]:
+    """Order replicas for a decision: the choice first, then failover candidates.
+
+    ``preference`` ranks replicas (lower first) for breaking exact ties, e.g. the
+    request's consistent-hash ring order; replicas missing from it go last.  With
+    ``temperature > 0`` (tokens), the first replica is drawn from
+    ``softmax(score / temperature)`` using ``u`` in ``[0, 1)``; the rest stay in
+    score order."""
+    if not ranked:
+        return []
+    last = len(preference)
+    ordered = sorted(ranked, key=lambda s: (-s.score, preference.get(s.replica, last)))
+    if temperature <= 0 or len(ordered) == 1:
+        return ordered
+    top = ordered[0].score
+    weights = [math.exp((s.score - top) / temperature) for s in ordered]
+    total = sum(weights)
+    target = min(max(u, 0.0), 1.0) * total
+    acc = 0.0
+    chosen = len(ordered) - 1
+    for i, wt in enumerate(weights):
+        acc += wt
+        if target < acc:
+            chosen = i
+            break
+    return [ordered[chosen], *ordered[:chosen], *ordered[chosen + 1 :]]

@@ -1,0 +1,96 @@
+"""What the router remembers about each session between its turns.
+
+Per session key (an ``affinity_key``): the replica its last turn went to, when that turn
+was routed and when it finished, and the last prompt's tokens and shape (for
+``prefix_breaks``).  That is what the KV policy needs to measure stickiness (did a later
+turn land on the previous replica?), think time (gap between a turn finishing and the
+next arriving), and the age of a session's blocks on its replica (for the eviction term).
+
+Bounded: at most ``max_sessions`` sessions and ``max_token_bytes`` bytes of kept tokens
+(4 bytes per token); the least recently seen sessions go first.  Synchronous methods
+only, so every update is atomic on the event loop.  Times are passed in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from index.types import ReplicaId
+from router.prefix_breaks import PromptShape
+
+__all__ = ["SessionState", "SessionTable"]
+
+
+@dataclass(slots=True)
+class SessionState:
+    """One session's last turn."""
+
+    replica: ReplicaId
+    routed_at: float
+    tokens: bytes = b""
+    shape: PromptShape | None = None
+    finished_at: float | None = None
+    turns: int = 1
+
+
+class SessionTable:
+    """LRU of sessions, bounded in count and in kept token bytes."""
+
+    def __init__(self, *, max_sessions: int = 100_000, max_token_bytes: int = 64 << 20):
+        self.max_sessions = max_sessions
+        self.max_token_bytes = max_token_bytes
+        self._s: OrderedDict[str, SessionState] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._s)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of token ids currently kept."""
+        return self._bytes
+
+    def get(self, key: str) -> SessionState | None:
+        """The session's last turn, if remembered (does not refresh recency)."""
+        return self._s.get(key)
+
+    def turn(
+        self,
+        key: str,
+        replica: ReplicaId,
+        now: float,
+        tokens: bytes,
+        shape: PromptShape | None,
+    ) -> SessionState | None:
+        """Record a new turn routed to ``replica``; return the previous turn's state
+        (a copy, for comparisons), or ``None`` for a new session."""
+        old = self._s.get(key)
+        previous = None
+        if old is not None:
+            previous = SessionState(
+                old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns
+            )
+            self._bytes -= len(old.tokens)
+            old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
+            old.finished_at = None
+            old.turns += 1
+            self._s.move_to_end(key)
+        else:
+            self._s[key] = SessionState(replica, now, tokens, shape)
+        self._bytes += len(tokens)
+        self._trim()
+        return previous
+
+    def finished(self, key: str, replica: ReplicaId, now: float) -> None:
+        """The turn routed to ``replica`` finished at ``now``."""
+        state = self._s.get(key)
+        if state is not None and state.replica == replica:
+            state.finished_at = now
+
+    def _trim(self) -> None:
+        while self._s and (
+            len(self._s) > self.max_sessions or self._bytes > self.max_token_bytes
+        ):
+            _, state = self._s.popitem(last=False)
+            self._bytes -= len(state.tokens)

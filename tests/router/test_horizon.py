@@ -1,0 +1,66 @@
+"""Eviction horizon from scraped pool size and allocation rate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from index.types import ReplicaId
+from router.horizon import HorizonEstimator, PoolSample, classify_return
+
+A = ReplicaId("a")
+
+
+def sample(t: float, computed: float, gen: float, usage: float = 0.25,
+           blocks: int = 1000) -> PoolSample:
+    return PoolSample(t=t, block_size=16, num_gpu_blocks=blocks, kv_usage=usage,
+                      computed_prompt_tokens_total=computed, generation_tokens_total=gen)
+
+
+def test_horizon_is_free_blocks_over_allocation_rate() -> None:
+    h = HorizonEstimator(tau_s=30.0)
+    assert h.horizon_s(A, 0.0) is None
+    h.observe_scrape(A, sample(0.0, 0, 0))
+    assert h.horizon_s(A, 0.0) is None  # no rate yet
+    # 1 s later: 1600 computed prompt tokens + 160 generated = 110 blocks/s
+    h.observe_scrape(A, sample(1.0, 1600, 160))
+    assert h.allocation_rate(A) == pytest.approx(110.0)
+    assert h.horizon_s(A, 1.0) == pytest.approx(750 / 110)
+
+
+def test_no_churn_means_infinite_and_stale_means_unknown() -> None:
+    h = HorizonEstimator(stale_s=5.0)
+    h.observe_scrape(A, sample(0.0, 100, 0))
+    h.observe_scrape(A, sample(1.0, 100, 0))
+    assert h.horizon_s(A, 1.0) == math.inf
+    assert h.horizon_s(A, 7.0) is None
+
+
+def test_rate_is_smoothed_and_counter_resets_are_skipped() -> None:
+    h = HorizonEstimator(tau_s=10.0)
+    h.observe_scrape(A, sample(0.0, 0, 0))
+    h.observe_scrape(A, sample(1.0, 1600, 0))  # 100 blocks/s
+    h.observe_scrape(A, sample(2.0, 0, 0))  # restart: reset, not negative
+    rate = h.allocation_rate(A)
+    assert rate is not None and 0 < rate < 100
+    h.observe_scrape(A, sample(2.2, 160, 0))  # under min_dt: accumulated, not applied
+    assert h.allocation_rate(A) == rate
+    h.forget(A)
+    assert h.allocation_rate(A) is None
+
+
+def test_events_can_feed_the_rate() -> None:
+    h = HorizonEstimator()
+    h.observe_allocated(A, 0.0, 5)
+    h.observe_allocated(A, 2.0, 40)
+    assert h.allocation_rate(A) == pytest.approx(20.0)
+    h.observe_scrape(A, PoolSample(2.0, None, 100, 0.5, None, None))
+    assert h.horizon_s(A, 2.0) == pytest.approx(50 / 20)
+
+
+@pytest.mark.parametrize(("think", "horizon", "outcome"),
+                         [(5.0, 10.0, "within_horizon"), (50.0, 10.0, "beyond_horizon"),
+                          (5.0, None, "unknown"), (1e9, math.inf, "within_horizon")])
+def test_classify_return(think: float, horizon: float | None, outcome: str) -> None:
+    assert classify_return(think, horizon) == outcome

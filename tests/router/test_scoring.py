@@ -1,0 +1,327 @@
+"""Table-driven and property tests of the pure scoring function."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.types import ReplicaHit, ReplicaId
+from router.scoring import (
+    CostModel,
+    Freshness,
+    LoadTerms,
+    ReplicaInput,
+    ScoringWeights,
+    combine_load,
+    index_trust,
+    pick,
+    rank_replicas,
+    resident_probability,
+    score_replica,
+    tier_value,
+)
+
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+W = ScoringWeights()
+BS = 16
+
+
+def inp(
+    replica: ReplicaId = A,
+    gpu: int = 0,
+    cpu: int = 0,
+    storage: int = 0,
+    queued: float = 0.0,
+    decode: float = 0.0,
+    **kw: object,
+) -> ReplicaInput:
+    return ReplicaInput(
+        replica=replica,
+        hit=ReplicaHit(gpu, cpu, storage),
+        load=LoadTerms(queued_prefill_tokens=queued, decode_load=decode),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# ---------------------------------------------------------------- table: score values
+
+@pytest.mark.parametrize(
+    ("name", "replica_input", "prompt", "cached", "score"),
+    [
+        ("cold, idle", inp(), 100, 0, -100.0),
+        ("3 gpu blocks", inp(gpu=3), 100, 48, -52.0),
+        # last-token rule: 64 tokens -> at most (64-1)//16 = 3 blocks can hit
+        ("all 4 blocks held, prompt of exactly 4 blocks", inp(gpu=4), 64, 48, -16.0),
+        ("prompt shorter than a block", inp(gpu=1), 10, 0, -10.0),
+        ("queued prefill", inp(gpu=3, queued=500), 100, 48, -552.0),
+        ("decode load", inp(gpu=3, decode=2), 100, 48, -52.0 - 2 * W.gamma),
+        ("unknown horizon: no eviction risk", inp(gpu=3, horizon_s=None, age_s=1e6), 100, 48,
+         -52.0),
+        ("tail expired, hot prefix survives", inp(gpu=4, hot_blocks=2, horizon_s=10.0,
+                                                  age_s=100.0), 100, 32, -68.0),
+        ("everything expired", inp(gpu=4, horizon_s=10.0, age_s=100.0), 100, 0, -100.0),
+    ],
+)
+def test_score_table(
+    name: str, replica_input: ReplicaInput, prompt: int, cached: float, score: float
+) -> None:
+    s = score_replica(replica_input, prompt, BS, W)
+    assert s.expected_cached_tokens == pytest.approx(cached), name
+    assert s.score == pytest.approx(score), name
+
+
+@pytest.mark.parametrize(
+    ("costs", "value"),
+    [
+        # 128 KiB/token over 25 GB/s = 5.24 us; recompute 50 us -> 0.895
+        (CostModel(), 1 - (131072 / 25e9) * 20000),
+        # link as slow as recompute: worthless
+        (CostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000,
+                   cpu_bandwidth_bytes_per_s=1e6), 0.0),
+        # link slower than recompute: clamped at 0, never negative
+        (CostModel(kv_bytes_per_token=1000, prefill_tokens_per_s=1000,
+                   cpu_bandwidth_bytes_per_s=1e5), 0.0),
+        # infinitely fast recompute relative to link: 0; near-free reload: ~1
+        (CostModel(kv_bytes_per_token=1, prefill_tokens_per_s=1,
+                   cpu_bandwidth_bytes_per_s=1e12), 1 - 1e-12),
+        (CostModel(cpu_bandwidth_bytes_per_s=0), 0.0),
+    ],
+)
+def test_tier_value_from_costs(costs: CostModel, value: float) -> None:
+    assert tier_value(costs.cpu_bandwidth_bytes_per_s, costs) == pytest.approx(value)
+
+
+def test_cpu_blocks_count_at_the_derived_discount() -> None:
+    costs = CostModel()
+    v_cpu = tier_value(costs.cpu_bandwidth_bytes_per_s, costs)
+    v_sto = tier_value(costs.storage_bandwidth_bytes_per_s, costs)
+    s = score_replica(inp(gpu=2, cpu=2, storage=2), 1000, BS, W)
+    assert s.expected_cached_tokens == pytest.approx(BS * (2 + 2 * v_cpu + 2 * v_sto))
+    assert s.predicted_cached_tokens == 6 * BS
+    assert 0 < v_sto < v_cpu < 1
+
+
+def test_last_token_rule_drops_slowest_tier_first() -> None:
+    # 3 usable blocks of 4 held: the storage block is the one that cannot hit
+    s = score_replica(inp(gpu=2, cpu=1, storage=1), 64, BS, W)
+    costs = CostModel()
+    v_cpu = tier_value(costs.cpu_bandwidth_bytes_per_s, costs)
+    assert s.usable_blocks == 3
+    assert s.expected_cached_tokens == pytest.approx(BS * (2 + v_cpu))
+
+
+@pytest.mark.parametrize(
+    ("freshness", "trust"),
+    [
+        (Freshness(), 1.0),
+        (Freshness(connected=False), 0.5),
+        (Freshness(since_gap_s=0.0), 0.5),
+        (Freshness(since_gap_s=15.0), 0.75),
+        (Freshness(since_gap_s=30.0), 1.0),
+        (Freshness(since_reset_s=5.0), 0.75),
+        (Freshness(receipt_trust=0.8, connected=False), 0.4),
+        (Freshness(receipt_trust=7.0), 1.0),
+    ],
+)
+def test_index_trust(freshness: Freshness, trust: float) -> None:
+    assert index_trust(freshness, W) == pytest.approx(trust)
+
+
+@pytest.mark.parametrize(
+    ("exposure", "horizon", "p"),
+    [(0.0, None, 1.0), (1e9, math.inf, 1.0), (5.0, 10.0, 1.0), (10.0, 10.0, 0.5),
+     (12.5, 10.0, 0.25), (15.0, 10.0, 0.0), (1.0, 0.0, 0.0)],
+)
+def test_resident_probability(exposure: float, horizon: float | None, p: float) -> None:
+    assert resident_probability(exposure, horizon, 0.5) == pytest.approx(p)
+
+
+def test_queue_wait_counts_against_the_horizon() -> None:
+    # 20k tokens queued at 20k tok/s = 1 s wait; horizon 1 s: half-way down the ramp
+    idle = score_replica(inp(gpu=4, horizon_s=1.0), 100, BS, W)
+    busy = score_replica(inp(gpu=4, horizon_s=1.0, queued=20000), 100, BS, W)
+    assert idle.p_resident_tail == 1.0
+    assert busy.wait_s == pytest.approx(1.0)
+    assert busy.p_resident_tail == pytest.approx(0.5)
+
+
+def test_event_lag_counts_against_the_horizon() -> None:
+    s = score_replica(inp(gpu=4, horizon_s=2.0, freshness=Freshness(lag_s=2.0)), 100, BS, W)
+    assert s.p_resident_hot == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------ combine_load
+
+@pytest.mark.parametrize(
+    ("kw", "queued", "decode", "known"),
+    [
+        (dict(own_queued_requests=0, own_queued_prefill_tokens=0, own_decoding=0,
+              scraped_waiting=None, scraped_running=None), 0, 0, False),
+        # own accounting only (stale scrape): unknown scrape is not zero
+        (dict(own_queued_requests=2, own_queued_prefill_tokens=300, own_decoding=5,
+              scraped_waiting=None, scraped_running=None), 300, 5, True),
+        # 3 waiting of which 2 are ours: 1 foreign request at 512 tokens
+        (dict(own_queued_requests=2, own_queued_prefill_tokens=300, own_decoding=5,
+              scraped_waiting=3, scraped_running=9), 812, 9, True),
+        # the scrape lags behind us: never negative, never below our own count
+        (dict(own_queued_requests=4, own_queued_prefill_tokens=300, own_decoding=5,
+              scraped_waiting=1, scraped_running=2), 300, 5, True),
+    ],
+)
+def test_combine_load(kw: dict[str, float], queued: float, decode: float, known: bool) -> None:
+    load = combine_load(foreign_prefill_tokens_per_request=512, **kw)  # type: ignore[arg-type]
+    assert (load.queued_prefill_tokens, load.decode_load, load.known) == (queued, decode, known)
+
+
+# ------------------------------------------------------------------------------- pick
+
+def test_ties_broken_by_preference_not_input_order() -> None:
+    ranked = rank_replicas([inp(A), inp(B), inp(C)], 100, BS, W)
+    assert [s.replica for s in pick(ranked, preference={C: 0, A: 1, B: 2})] == [C, A, B]
+    assert [s.replica for s in pick(ranked, preference={B: 0})][0] == B
+
+
+def test_higher_score_beats_preference() -> None:
+    ranked = rank_replicas([inp(A), inp(B, gpu=2)], 100, BS, W)
+    assert pick(ranked, preference={A: 0, B: 1})[0].replica == B
+
+
+def test_sampling_uses_the_uniform_passed_in() -> None:
+    ranked = rank_replicas([inp(A, gpu=1), inp(B)], 100, BS, W)  # scores -84, -100
+    pref = {A: 0, B: 1}
+    p_a = 1 / (1 + math.exp(-16 / 10))
+    assert pick(ranked, preference=pref, temperature=10, u=p_a - 1e-6)[0].replica == A
+    assert pick(ranked, preference=pref, temperature=10, u=p_a + 1e-6)[0].replica == B
+    assert [s.replica for s in pick(ranked, preference=pref, temperature=10, u=0.99)] == [B, A]
+    assert pick([], preference={}) == []
+
+
+def test_hotspot_shared_prefix_everywhere_load_decides() -> None:
+    # every replica holds the 50-block shared system prompt; B is the least loaded
+    ranked = rank_replicas(
+        [inp(A, gpu=50, queued=800), inp(B, gpu=50, queued=100), inp(C, gpu=50, queued=400)],
+        1000, BS, W,
+    )
+    assert ranked[0].replica == B
+
+
+def test_hotspot_overloaded_holder_replicates_prefix() -> None:
+    # only A holds a 2000-token prefix: it wins until its queue costs more than the
+    # prefix is worth, then the prefix goes to a second replica
+    def best(queued_a: float) -> ReplicaId:
+        ranked = rank_replicas([inp(A, gpu=125, queued=queued_a), inp(B)], 2100, BS, W)
+        return pick(ranked, preference={A: 0, B: 1})[0].replica
+
+    assert best(0) == A
+    assert best(1900) == A
+    assert best(2100) == B
+
+
+def test_as_dict_has_every_field() -> None:
+    d = score_replica(inp(gpu=1), 100, BS, W).as_dict()
+    assert d["replica"] == A and d["predicted_cached_tokens"] == 16 and "score" in d
+
+
+# ------------------------------------------------------------------------- properties
+
+blocks = st.integers(min_value=0, max_value=300)
+tokens = st.integers(min_value=1, max_value=6000)
+loads = st.floats(min_value=0, max_value=1e6, allow_nan=False)
+horizons = st.one_of(st.none(), st.floats(min_value=0, max_value=1e4, allow_nan=False))
+seconds = st.floats(min_value=0, max_value=1e4, allow_nan=False)
+fresh = st.builds(
+    Freshness,
+    lag_s=seconds,
+    connected=st.booleans(),
+    since_gap_s=st.one_of(st.none(), seconds),
+    since_reset_s=st.one_of(st.none(), seconds),
+    receipt_trust=st.floats(min_value=0, max_value=1),
+)
+inputs = st.builds(
+    ReplicaInput,
+    replica=st.just(A),
+    hit=st.builds(ReplicaHit, blocks, blocks, blocks),
+    load=st.builds(LoadTerms, queued_prefill_tokens=loads, decode_load=loads),
+    freshness=fresh,
+    horizon_s=horizons,
+    age_s=seconds,
+    hot_blocks=blocks,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, st.integers(min_value=1, max_value=50),
+       st.sampled_from(["gpu_blocks", "cpu_blocks", "storage_blocks"]))
+def test_more_cached_blocks_never_lower_the_score(
+    x: ReplicaInput, prompt: int, more: int, tier: str
+) -> None:
+    y = replace(x, hit=replace(x.hit, **{tier: getattr(x.hit, tier) + more}))
+    assert score_replica(y, prompt, BS, W).score >= score_replica(x, prompt, BS, W).score
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, st.floats(min_value=0, max_value=1e6))
+def test_more_queued_prefill_never_raises_the_score(
+    x: ReplicaInput, prompt: int, more: float
+) -> None:
+    y = replace(x, load=replace(x.load, queued_prefill_tokens=x.load.queued_prefill_tokens + more))
+    assert score_replica(y, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, st.floats(min_value=0, max_value=1e3))
+def test_more_decode_load_never_raises_the_score(
+    x: ReplicaInput, prompt: int, more: float
+) -> None:
+    y = replace(x, load=replace(x.load, decode_load=x.load.decode_load + more))
+    assert score_replica(y, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, st.integers(min_value=1, max_value=50))
+def test_moving_blocks_to_a_slower_tier_never_raises_the_score(
+    x: ReplicaInput, prompt: int, k: int
+) -> None:
+    k = min(k, x.hit.gpu_blocks)
+    slower = replace(x, hit=ReplicaHit(x.hit.gpu_blocks - k, x.hit.cpu_blocks + k,
+                                       x.hit.storage_blocks))
+    assert score_replica(slower, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, seconds, seconds)
+def test_staleness_and_age_never_raise_the_score(
+    x: ReplicaInput, prompt: int, more_lag: float, more_age: float
+) -> None:
+    base = score_replica(x, prompt, BS, W).score
+    lagged = replace(x, freshness=replace(x.freshness, lag_s=x.freshness.lag_s + more_lag))
+    older = replace(x, age_s=x.age_s + more_age)
+    down = replace(x, freshness=replace(x.freshness, connected=False))
+    assert score_replica(lagged, prompt, BS, W).score <= base
+    assert score_replica(older, prompt, BS, W).score <= base
+    assert score_replica(down, prompt, BS, W).score <= base
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens)
+def test_expected_never_exceeds_the_point_prediction(x: ReplicaInput, prompt: int) -> None:
+    s = score_replica(x, prompt, BS, W)
+    assert 0 <= s.expected_cached_tokens <= s.predicted_cached_tokens + 1e-6
+    assert s.predicted_cached_tokens <= max(0, (prompt - 1) // BS) * BS
+    assert s.predicted_cached_tokens % BS == 0
+    assert 0 <= s.p_index <= 1 and 0 <= s.p_resident_tail <= s.p_resident_hot <= 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(inputs, min_size=1, max_size=8), tokens, st.floats(min_value=0, max_value=1))
+def test_rank_and_pick_are_permutations(xs: list[ReplicaInput], prompt: int, u: float) -> None:
+    xs = [replace(x, replica=ReplicaId(f"r{i}")) for i, x in enumerate(xs)]
+    ranked = rank_replicas(xs, prompt, BS, W)
+    assert [s.score for s in ranked] == sorted((s.score for s in ranked), reverse=True)
+    for temperature in (0.0, 50.0):
+        picked = pick(ranked, preference={}, temperature=temperature, u=u)
+        assert sorted(s.replica for s in picked) == sorted(x.replica for x in xs)
