@@ -63,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from router.app import create_app
     from router.config import ConfigError, RouterSettings
+    from router.listen import bind_socket
 
     cli: dict[str, Any] = {}
     if args.host is not None:
@@ -98,6 +99,15 @@ def _serve(args: argparse.Namespace) -> int:
         server_header=False,
         date_header=False,
     )
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0 if server.started else 1

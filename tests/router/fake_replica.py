@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 
 @dataclass
@@ -46,7 +48,8 @@ class Seen:
     """One request as the fake received it."""
 
     path: str
-    headers: dict[str, str]
+    headers: Mapping[str, str]
+    """Case-insensitive."""
     body: bytes
     started: float
     ended: float | None = None
@@ -79,18 +82,24 @@ class FakeReplica:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_route("*", "/v1/{rest:.*}", self._echo)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                      shutdown_timeout=0.1)
         await self._runner.setup()
         sock = socket.socket()
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
-        site = web.SockSite(self._runner, sock, shutdown_timeout=0.1)
+        site = web.SockSite(self._runner, sock)
         await site.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop listening (idempotent): later connections are refused."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_hits += 1
@@ -103,15 +112,15 @@ class FakeReplica:
 
     async def _echo(self, request: web.Request) -> web.Response:
         body = await request.read()
-        self.seen.append(Seen(request.path, dict(request.headers), body, time.monotonic()))
+        self.seen.append(Seen(request.path, CIMultiDict(request.headers), body, time.monotonic()))
         return web.json_response({"path": request.path, "method": request.method,
-                                  "query": request.query_string, "replica": self.name,
+                                  "query": request.rel_url.raw_query_string, "replica": self.name,
                                   "body": body.decode()})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         b = self.behaviour
         body = await request.read()
-        seen = Seen(request.path, dict(request.headers), body, time.monotonic())
+        seen = Seen(request.path, CIMultiDict(request.headers), body, time.monotonic())
         self.seen.append(seen)
         try:
             if b.headers_delay_s:

@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from starlette.applications import Starlette
 
+from router.listen import bind_socket
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,8 +34,7 @@ class _Server(uvicorn.Server):
 @asynccontextmanager
 async def run_server(app: Starlette, *, grace_s: int = 5) -> AsyncIterator[str]:
     """Serve ``app``; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, http="httptools", lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=grace_s,

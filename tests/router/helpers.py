@@ -1,0 +1,52 @@
+"""Helpers shared by the router tests (settings, metrics scraping, request bodies)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import RouterSettings
+from tests.router.fake_replica import FakeReplica
+
+FAST_HEALTH = {"interval_s": 0.05, "fails_to_down": 2, "successes_to_up": 2}
+
+
+def router_settings(replicas: Sequence[FakeReplica | str], **overrides: Any) -> RouterSettings:
+    urls = [r if isinstance(r, str) else r.url for r in replicas]
+    data: dict[str, Any] = {"replicas": [{"url": u} for u in urls], "health": dict(FAST_HEALTH)}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return RouterSettings(**data)
+
+
+Samples = dict[tuple[str, tuple[Any, ...]], float]
+
+
+async def scrape(client: aiohttp.ClientSession, url: str) -> Samples:
+    """``/metrics`` as ``{(sample name, sorted label items): value}``."""
+    async with client.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+async def inflight(client: aiohttp.ClientSession, url: str) -> float:
+    """Sum of ``router_inflight_requests`` over replicas."""
+    metrics = await scrape(client, url)
+    return sum(v for (name, _), v in metrics.items() if name == "router_inflight_requests")
+
+
+def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "stream": stream}
+    body.update(extra)
+    return body

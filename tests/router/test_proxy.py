@@ -1,0 +1,180 @@
+"""The proxy's happy paths: streaming byte for byte and chunk by chunk, non-streaming,
+request ids and routing headers, passthrough of other ``/v1/*`` paths."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+
+from tests.router.conftest import StartFakes, StartRouter
+from tests.router.helpers import chat, scrape
+
+
+async def _raw_stream(client: aiohttp.ClientSession, url: str, body: bytes) -> tuple[bytes, int]:
+    async with client.post(url + "/v1/chat/completions", data=body,
+                           headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 200
+        data = await resp.read()
+        return data, resp.status
+
+
+async def test_stream_is_byte_exact(fakes: StartFakes, start_router: StartRouter,
+                                    client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    url = await start_router([fake])
+    body = orjson.dumps(chat(stream=True))
+    direct, _ = await _raw_stream(client, fake.url, body)
+    routed, _ = await _raw_stream(client, url, body)
+    assert routed == direct
+    assert routed.endswith(b"data: [DONE]\n\n")
+    # the body went upstream unchanged
+    assert fake.completions()[-1].body == body
+
+
+async def test_stream_chunks_arrive_before_upstream_finishes(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    (fake,) = await fakes(1)
+    fake.behaviour.chunks = 4
+    fake.behaviour.chunk_delay_s = 0.2
+    url = await start_router([fake])
+    t0 = time.monotonic()
+    async with client.post(url + "/v1/chat/completions", json=chat(stream=True)) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        t_first = time.monotonic() - t0
+        assert b"r0-0" in first
+        arrivals = [t_first]
+        while True:
+            event = await resp.content.readuntil(b"\n\n")
+            arrivals.append(time.monotonic() - t0)
+            if event == b"data: [DONE]\n\n":
+                break
+    # The first event is relayed at once, not after the ~0.8 s the whole stream takes,
+    # and later events arrive spread out, one gap apart.
+    assert t_first < 0.15
+    assert arrivals[-1] > 0.75
+    assert arrivals[2] - arrivals[1] > 0.15
+
+
+async def test_ttfb_through_router_close_to_direct(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """No Nagle or buffering stall: the first streamed byte is not delayed by the router."""
+    (fake,) = await fakes(1)
+    fake.behaviour.chunks = 1
+    fake.behaviour.chunk_delay_s = 0.05
+    url = await start_router([fake])
+    body = orjson.dumps(chat(stream=True))
+
+    async def ttfb(base: str) -> float:
+        t0 = time.monotonic()
+        async with client.post(base + "/v1/chat/completions", data=body) as resp:
+            await resp.content.readany()
+            took = time.monotonic() - t0
+            await resp.read()
+        return took
+
+    direct = min([await ttfb(fake.url) for _ in range(5)])
+    routed = min([await ttfb(url) for _ in range(5)])
+    assert routed < direct + 0.02, (routed, direct)
+
+
+async def test_non_streaming(fakes: StartFakes, start_router: StartRouter,
+                             client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    url = await start_router([fake])
+    async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+        assert resp.status == 200
+        direct_like = await resp.json()
+        assert resp.headers["Content-Type"].startswith("application/json")
+    assert direct_like["choices"][0]["message"]["content"] == "from r0"
+    async with client.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+        assert resp.status == 200
+
+
+async def test_request_id_and_routing_headers(fakes: StartFakes, start_router: StartRouter,
+                                              client: aiohttp.ClientSession) -> None:
+    a, b = await fakes(2)
+    url = await start_router([a, b])
+    async with client.post(url + "/v1/chat/completions", json=chat(),
+                           headers={"X-Request-Id": "abc-123"}) as resp:
+        assert resp.headers.getall("x-request-id") == ["abc-123"]
+        replica = resp.headers["x-kvroute-replica"]
+        assert resp.headers["x-kvroute-reason"] == "rotation"
+        assert "x-kvroute-predicted-cached-tokens" not in resp.headers
+    served = a if a.completions() else b
+    assert replica == f"127.0.0.1:{served.port}"
+    assert served.completions()[-1].headers["X-Request-Id"] == "abc-123"
+    async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+        generated = resp.headers["x-request-id"]
+        assert len(generated) == 32
+    other = b if served is a else a
+    assert other.completions()[-1].headers["X-Request-Id"] == generated
+
+
+async def test_round_robin_spreads_and_policy_header_overrides(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    a, b = await fakes(2)
+    url = await start_router([a, b])
+    for _ in range(4):
+        async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+            await resp.read()
+    assert len(a.completions()) == 2 and len(b.completions()) == 2
+    async with client.post(url + "/v1/chat/completions", json=chat(),
+                           headers={"X-KVRoute-Policy": "least_loaded"}) as resp:
+        assert resp.headers["x-kvroute-reason"] == "least_in_flight"
+        # the policy header is not forwarded upstream
+    last = max(a.seen + b.seen, key=lambda s: s.started)
+    assert "X-KVRoute-Policy" not in last.headers
+    metrics = await scrape(client, url)
+    assert metrics[("router_decisions_total",
+                    (("policy", "least_loaded"), ("reason", "least_in_flight")))] == 1
+
+
+async def test_least_loaded_avoids_busy_replica(fakes: StartFakes, start_router: StartRouter,
+                                                client: aiohttp.ClientSession) -> None:
+    a, b = await fakes(2)
+    a.behaviour.chunk_delay_s = b.behaviour.chunk_delay_s = 0.3
+    url = await start_router([a, b], policy="least_loaded")
+    async with client.post(url + "/v1/chat/completions", json=chat(stream=True)) as busy:
+        await busy.content.readany()
+        first = busy.headers["x-kvroute-replica"]
+        for _ in range(3):
+            async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+                assert resp.headers["x-kvroute-replica"] != first
+                await resp.read()
+
+
+async def test_other_v1_paths_pass_through(fakes: StartFakes, start_router: StartRouter,
+                                           client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    url = await start_router([fake])
+    async with client.post(url + "/v1/tokenize?x=1&y=%20", data=b'{"prompt":"p"}') as resp:
+        assert resp.status == 200
+        data = await resp.json()
+        assert resp.headers["x-kvroute-replica"] == f"127.0.0.1:{fake.port}"
+    assert data == {"path": "/v1/tokenize", "method": "POST", "query": "x=1&y=%20",
+                    "replica": "r0", "body": '{"prompt":"p"}'}
+    async with client.get(url + "/v1/whatever") as resp:
+        assert (await resp.json())["method"] == "GET"
+
+
+async def test_concurrent_streams_are_independent(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    a, b = await fakes(2)
+    a.behaviour.chunk_delay_s = b.behaviour.chunk_delay_s = 0.02
+    url = await start_router([a, b])
+
+    async def one(i: int) -> bytes:
+        async with client.post(url + "/v1/chat/completions", json=chat(stream=True),
+                               headers={"X-Request-Id": f"r{i}"}) as resp:
+            assert resp.headers["x-request-id"] == f"r{i}"
+            return await resp.read()
+
+    results = await asyncio.gather(*(one(i) for i in range(20)))
+    assert all(r.endswith(b"data: [DONE]\n\n") and r.count(b"data: ") == 5 for r in results)
