@@ -1,0 +1,193 @@
+"""A rendered prompt as the engine will see it: token ids, block keys, block size.
+
+``Prompt`` is the value every consumer shares (router policy, simulated replica,
+diagnostics).  Its ``block_keys`` are ``index.keys.block_keys(token_ids, block_size,
+model=model, cache_salt=cache_salt, lora_name=lora_name)``: chained keys of the full
+blocks only, the salt folded into block 0, the LoRA adapter name into every block,
+``model`` being the *base* model the replica serves.
+
+``PromptKeyer`` computes those keys incrementally.  A prompt arrives as a sequence of
+segments (``index.segments``), each with a serial number that identifies its exact
+token ids.  The keyer memoises the hash chain state after each segment, keyed by
+(state before, segment serial), so a prompt that extends a previous one only hashes the
+blocks its new segments complete.  The memo is a bounded LRU; a miss only costs
+recomputation, and the result is always equal to ``block_keys`` over the whole token
+list (a property test checks this).
+
+``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
+400).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from index.keys import block_keys, expected_cached_tokens
+from index.render_errors import InvalidCacheSalt
+from index.segments import Segment
+from index.types import RequestKey
+
+MAX_CACHE_SALT_LENGTH = 128
+_FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
+
+DEFAULT_MAX_KEY_NODES = 200_000
+"""Memoised chain states.  One per segment of each remembered prompt (about 4 per
+message), so the default covers some 5,000 ten-turn conversations in ~40 MB."""
+
+
+def validate_cache_salt(cache_salt: object) -> str | None:
+    """Return ``cache_salt`` if vLLM would accept it, else raise ``InvalidCacheSalt``.
+
+    ``None`` means no salt.  Otherwise it must be a non-empty string of at most 128
+    characters without ``@``, ``/``, ``\\`` or NUL (vLLM 0.30+; older versions only
+    required a non-empty string, so this is the stricter, forward-compatible rule).
+    """
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidCacheSalt("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not _FORBIDDEN_SALT_CHARS.isdisjoint(cache_salt):
+        raise InvalidCacheSalt(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL."
+        )
+    return cache_salt
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt, tokenised and keyed exactly as the engine will see it.
+
+    ``token_ids`` and ``block_keys`` are lists for speed; treat them as read-only.
+    """
+
+    token_ids: list[int]
+    block_keys: list[RequestKey]
+    block_size: int
+    model: str
+    """The base model the replica serves (the root of the key chain)."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    source: Literal["local", "remote"] = "local"
+    """Rendered here, or by a replica (``index.remote_render``)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.token_ids)
+
+    def expected_cached_tokens(self, matched_blocks: int) -> int:
+        """Tokens the engine serves from cache when ``matched_blocks`` leading blocks are
+        held: full blocks only, and never the last prompt token (vLLM recomputes it)."""
+        return expected_cached_tokens(matched_blocks, len(self.token_ids), self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyContext:
+    """What a key chain depends on besides the tokens."""
+
+    model: str
+    block_size: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class _Node:
+    """Chain state after a prefix: full blocks so far, last key, leftover tokens."""
+
+    __slots__ = ("ident", "keys", "last", "n_blocks", "tail")
+
+    def __init__(
+        self,
+        ident: int,
+        n_blocks: int,
+        last: RequestKey | None,
+        tail: tuple[int, ...],
+        keys: list[RequestKey],
+    ) -> None:
+        self.ident = ident
+        self.n_blocks = n_blocks
+        self.last = last
+        self.tail = tail
+        self.keys = keys
+
+
+class PromptKeyer:
+    """Block keys of segmented prompts, memoised per (chain state, segment)."""
+
+    def __init__(self, *, max_nodes: int = DEFAULT_MAX_KEY_NODES) -> None:
+        if max_nodes < 1:
+            raise ValueError("max_nodes must be >= 1")
+        self._max_nodes = max_nodes
+        self._ids = itertools.count(1)
+        self._roots: dict[KeyContext, _Node] = {}
+        self._steps: OrderedDict[tuple[int, int], _Node] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def keys(self, ctx: KeyContext, segments: Iterable[Segment]) -> list[RequestKey]:
+        """``block_keys`` of the concatenated segment ids under ``ctx``."""
+        node = self._roots.get(ctx)
+        if node is None:
+            if len(self._roots) >= self._max_nodes:
+                self._roots.clear()
+            node = self._roots[ctx] = _Node(next(self._ids), 0, None, (), [])
+        steps = self._steps
+        out: list[RequestKey] = []
+        for serial, ids in segments:
+            if not ids:
+                continue
+            step = (node.ident, serial)
+            child = steps.get(step)
+            if child is None:
+                self.misses += 1
+                child = self._advance(ctx, node, ids)
+                steps[step] = child
+                if len(steps) > self._max_nodes:
+                    steps.popitem(last=False)
+            else:
+                self.hits += 1
+                steps.move_to_end(step)
+            out.extend(child.keys)
+            node = child
+        return out
+
+    def _advance(self, ctx: KeyContext, node: _Node, ids: Iterable[int]) -> _Node:
+        bs = ctx.block_size
+        pending = [*node.tail, *ids]
+        full = len(pending) // bs * bs
+        new_keys: list[RequestKey] = []
+        last = node.last
+        if full:
+            new_keys = block_keys(
+                pending[:full],
+                bs,
+                model=ctx.model,
+                cache_salt=ctx.cache_salt,
+                lora_name=ctx.lora_name,
+                parent=last,
+                first_block_index=node.n_blocks,
+            )
+            last = new_keys[-1]
+        return _Node(
+            next(self._ids), node.n_blocks + full // bs, last, tuple(pending[full:]), new_keys
+        )
+
+    def clear(self) -> None:
+        """Forget every memoised state."""
+        self._roots.clear()
+        self._steps.clear()
+
+
+__all__ = [
+    "DEFAULT_MAX_KEY_NODES",
+    "MAX_CACHE_SALT_LENGTH",
+    "KeyContext",
+    "Prompt",
+    "PromptKeyer",
+    "validate_cache_salt",
+]

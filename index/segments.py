@@ -1,0 +1,296 @@
+"""Incremental tokenisation: cut rendered text at added tokens, cache each piece's ids.
+
+A multi-turn conversation is re-sent whole on every turn, and all but the last message
+render to the same text as before.  ``SegmentEncoder`` exploits how ``tokenizers``
+encodes a string:
+
+1. the added vocabulary (special and other added tokens) is matched first, leftmost
+   longest, on the raw text (tokens with ``normalized=False``), then on the normalised
+   remaining pieces (tokens with ``normalized=True``);
+2. every remaining piece is normalised and pre-tokenised *on its own*, and the model
+   never merges across pieces.
+
+So the ids of a text are the concatenation of the ids of its pieces, each encoded
+alone, with each added token mapped to its id.  The encoder splits the rendered text
+the same way (a regex alternation, longest first, is leftmost-longest), looks each
+piece up in a bounded LRU cache (text -> ids), and encodes only the pieces it has not
+seen: on turn N+1 that is the new messages.
+
+When the equivalence cannot be guaranteed the encoder does not split (``splittable``
+is false, ``unsplittable_reason`` says why) and caches whole texts instead:
+
+* an added token with ``lstrip``/``rstrip``/``single_word`` (matching depends on the
+  neighbouring text);
+* an added token with ``normalized=True`` while the tokenizer has a normaliser;
+* a pre-tokeniser that treats the start of the input specially: ``Metaspace`` with
+  ``prepend_scheme="first"`` (the piece after a special token would get a prefix that
+  it does not get inside the whole text), or any pre-tokeniser type not known to act on
+  each piece independently;
+* a self-check on probe strings around every added token disagrees.
+
+``add_special_tokens=True`` adds the post-processor's tokens; the encoder learns them
+as a fixed prefix and suffix from probes, and encodes whole texts if they are not
+fixed (e.g. a pair template).
+
+Each cached piece carries a serial number, unique for the life of the encoder, that
+``index.prompt.PromptKeyer`` uses to memoise block keys per sequence of pieces.  Added
+tokens use ``-(id + 1)`` as serial.
+
+The encoder is not thread-safe; it belongs to one event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+Segment = tuple[int, Sequence[int]]
+"""``(serial, token ids)`` of one piece of a prompt."""
+
+DEFAULT_MAX_CACHED_TOKENS = 2_000_000
+"""Token ids kept in the piece cache.  A cached id costs about 36 bytes (a boxed int
+plus a pointer), so the default is about 72 MB per model: a few hundred concurrent
+10-turn conversations of 6k tokens, the working set a router sees between turns."""
+
+_SAFE_PRE_TOKENIZERS = frozenset(
+    {
+        "Sequence",
+        "Split",
+        "ByteLevel",
+        "Whitespace",
+        "WhitespaceSplit",
+        "Digits",
+        "Punctuation",
+        "BertPreTokenizer",
+        "CharDelimiterSplit",
+        "UnicodeScripts",
+        "FixedLength",
+    }
+)
+
+
+@dataclass(slots=True)
+class SegmentStats:
+    """Counters of one encoder; plain ints for the router's metrics to read."""
+
+    hits: int = 0
+    misses: int = 0
+    tokens_encoded: int = 0
+    evictions: int = 0
+
+
+class SegmentEncoder:
+    """Encodes text as ``tokenizer.encode`` does, re-encoding only unseen pieces."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, *, max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS
+    ) -> None:
+        if max_cached_tokens < 0:
+            raise ValueError("max_cached_tokens must be >= 0")
+        self._tok = tokenizer
+        self._max_tokens = max_cached_tokens
+        self._cache: OrderedDict[str, Segment] = OrderedDict()
+        self._cached_tokens = 0
+        self._serials = itertools.count(1)
+        self.stats = SegmentStats()
+        added = tokenizer.get_added_tokens_decoder()
+        self._added_ids: dict[str, int] = {tok.content: i for i, tok in added.items()}
+        self._raw_split, self._norm_split, reason = _build_splitters(tokenizer, added)
+        self.splittable = reason is None
+        self.unsplittable_reason = reason
+        if self.splittable and not self._self_check():
+            self.splittable = False
+            self.unsplittable_reason = "self-check failed: split encoding differs"
+        self._affixes = self._learn_affixes()
+
+    # -- public API ---------------------------------------------------------------------
+
+    def segments(self, text: str, *, add_special_tokens: bool = False) -> list[Segment]:
+        """The pieces of ``text`` with their ids; their concatenation is the encoding."""
+        if add_special_tokens:
+            if self._affixes is None:
+                return [self._whole(text, add_special_tokens=True)]
+            prefix, suffix = self._affixes
+            return [*prefix, *self._pieces(text), *suffix]
+        return self._pieces(text)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, equal to ``tokenizer.encode(text, ...).ids``."""
+        out: list[int] = []
+        for _, ids in self.segments(text, add_special_tokens=add_special_tokens):
+            out.extend(ids)
+        return out
+
+    def encode_uncached(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """The reference: the tokenizer on the whole text, no cache (tests, parity)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Token ids currently held in the piece cache."""
+        return self._cached_tokens
+
+    def clear(self) -> None:
+        """Drop every cached piece (serials are never reused)."""
+        self._cache.clear()
+        self._cached_tokens = 0
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _pieces(self, text: str) -> list[Segment]:
+        if not self.splittable or self._raw_split is None:
+            return [self._whole(text, add_special_tokens=False)] if text else []
+        out: list[Segment] = []
+        added = self._added_ids
+        norm_split = self._norm_split
+        for i, piece in enumerate(self._raw_split.split(text)):
+            if i % 2:
+                tid = added[piece]
+                out.append((-tid - 1, (tid,)))
+            elif piece:
+                if norm_split is None:
+                    out.append(self._lookup(piece))
+                    continue
+                for j, sub in enumerate(norm_split.split(piece)):
+                    if j % 2:
+                        tid = added[sub]
+                        out.append((-tid - 1, (tid,)))
+                    elif sub:
+                        out.append(self._lookup(sub))
+        return out
+
+    def _lookup(self, piece: str) -> Segment:
+        cache = self._cache
+        seg = cache.get(piece)
+        if seg is not None:
+            cache.move_to_end(piece)
+            self.stats.hits += 1
+            return seg
+        ids = self._tok.encode(piece, add_special_tokens=False).ids
+        return self._store(piece, ids)
+
+    def _whole(self, text: str, *, add_special_tokens: bool) -> Segment:
+        key = ("\x01" if add_special_tokens else "\x00") + text
+        seg = self._cache.get(key)
+        if seg is not None:
+            self._cache.move_to_end(key)
+            self.stats.hits += 1
+            return seg
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._store(key, ids)
+
+    def _store(self, key: str, ids: list[int]) -> Segment:
+        self.stats.misses += 1
+        self.stats.tokens_encoded += len(ids)
+        seg: Segment = (next(self._serials), ids)
+        if len(ids) > self._max_tokens:
+            return seg
+        self._cache[key] = seg
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self._max_tokens:
+            _, (_, old) = self._cache.popitem(last=False)
+            self._cached_tokens -= len(old)
+            self.stats.evictions += 1
+        return seg
+
+    def _probes(self) -> list[str]:
+        tokens = sorted(self._added_ids)[:64]
+        probes = ["", " ", "hello world", " leading space", "trailing space \n\n", "x\ty"]
+        for tok in tokens:
+            probes.append(f" a{tok} b\n{tok}{tok}  c {tok}")
+            probes.append(f"{tok}\n\nHello, world!{tok} {tok}\t")
+        return probes
+
+    def _self_check(self) -> bool:
+        for probe in self._probes():
+            if self.encode_uncached(probe) != [i for _, ids in self._pieces(probe) for i in ids]:
+                return False
+        self.clear()
+        return True
+
+    def _learn_affixes(self) -> tuple[list[Segment], list[Segment]] | None:
+        found: tuple[list[int], list[int]] | None = None
+        for probe in ("hello world", " x\n", "ab <> 12"):
+            plain = self.encode_uncached(probe)
+            full = self.encode_uncached(probe, add_special_tokens=True)
+            at = _find(full, plain)
+            if at < 0:
+                return None
+            affix = (full[:at], full[at + len(plain) :])
+            if found is not None and affix != found:
+                return None
+            found = affix
+        if found is None:
+            return None
+        prefix, suffix = found
+        return (
+            [(-t - 1, (t,)) for t in prefix],
+            [(-t - 1, (t,)) for t in suffix],
+        )
+
+
+def _find(haystack: list[int], needle: list[int]) -> int:
+    n = len(needle)
+    for i in range(len(haystack) - n + 1):
+        if haystack[i : i + n] == needle:
+            return i
+    return -1
+
+
+def _alternation(tokens: list[str]) -> re.Pattern[str] | None:
+    if not tokens:
+        return None
+    ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
+    return re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+
+
+def _build_splitters(
+    tokenizer: Tokenizer, added: dict[int, Any]
+) -> tuple[re.Pattern[str] | None, re.Pattern[str] | None, str | None]:
+    spec = json.loads(tokenizer.to_str())
+    has_normalizer = spec.get("normalizer") is not None
+    raw: list[str] = []
+    normed: list[str] = []
+    for tok in added.values():
+        if tok.lstrip or tok.rstrip or tok.single_word:
+            return None, None, f"added token {tok.content!r} strips or matches whole words"
+        if tok.normalized and has_normalizer:
+            return None, None, f"added token {tok.content!r} is matched after normalisation"
+        (normed if tok.normalized else raw).append(tok.content)
+    reason = _pre_tokenizer_reason(spec.get("pre_tokenizer"))
+    if reason is not None:
+        return None, None, reason
+    if not raw and not normed:
+        return None, None, "no added tokens to split on"
+    if not raw:
+        raw, normed = normed, []
+    return _alternation(raw), _alternation(normed), None
+
+
+def _pre_tokenizer_reason(node: Any) -> str | None:
+    if node is None:
+        return None
+    kind = node.get("type")
+    if kind == "Sequence":
+        for child in node.get("pretokenizers", []):
+            reason = _pre_tokenizer_reason(child)
+            if reason is not None:
+                return reason
+        return None
+    if kind == "Metaspace":
+        if node.get("prepend_scheme", "always") == "first":
+            return "Metaspace pre-tokenizer prepends only at the start of the input"
+        return None
+    if kind not in _SAFE_PRE_TOKENIZERS:
+        return f"pre-tokenizer {kind} is not known to act on each piece independently"
+    return None
+
+
+__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "Segment", "SegmentEncoder", "SegmentStats"]
