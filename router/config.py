@@ -21,7 +21,12 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    SettingsConfigDict,
+)
 
 __all__ = [
     "ConfigError",
@@ -253,7 +258,9 @@ class RouterSettings(BaseSettings):
         for _, data in sources:
             merged = _deep_merge(merged, data)
         try:
-            return cls(**merged)
+            # Only the merged dict: the environment was read above (or injected).
+            only = InitSettingsSource(cls, init_kwargs=merged)
+            return cls(_build_sources=((only,), {}))  # type: ignore[call-arg]
         except ValidationError as exc:
             raise ConfigError(_describe(exc, sources)) from exc
 
