@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from replica import vllm_cli
+
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_sim(sub)
-    # --- real vLLM: `kvroute replica vllm ...` (H5) registers its subcommands here. ---
+    vllm_cli.register(sub)  # `kvroute replica {vllm,tiny-model}` (H5)
 
 
 def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
