@@ -34,10 +34,12 @@ __all__ = [
     "HealthSettings",
     "IndexSettings",
     "MemoryIndexSettings",
+    "ModelSettings",
     "RedisIndexSettings",
     "ReplicaSettings",
     "RouterSettings",
     "ScoringSettings",
+    "ScrapeSettings",
     "TimeoutSettings",
     "UpstreamSettings",
 ]
@@ -163,10 +165,120 @@ IndexSettings = Annotated[MemoryIndexSettings | RedisIndexSettings, Field(discri
 """Which KV index backend the router uses (``backend: memory | redis``)."""
 
 
-class ScoringSettings(BaseModel):
-    """Knobs of the KV-aware scoring (filled in by the scoring module's owner)."""
+class ModelSettings(_Section):
+    """A model the ``kv`` policy renders and hashes exactly as its replicas do."""
 
-    model_config = ConfigDict(frozen=True, extra="allow", use_attribute_docstrings=True)
+    name: str
+    """The served model name clients send in ``model``."""
+    block_size: int = Field(default=16, gt=0)
+    """The replicas' KV block size (``--block-size``: 16 on GPU by default, 128 on vLLM's
+    CPU build).  Must match the replicas, or no prediction will ever hit."""
+    tokenizer: str | None = None
+    """Local tokenizer directory (or cached Hugging Face id); ``None``: replicas render
+    (``/tokenize``) on every request, which costs a round trip."""
+    chat_template: str | None = None
+    """The replicas' ``--chat-template`` (path or literal), if they use one."""
+    content_format: Literal["auto", "string", "openai"] = "auto"
+    """The replicas' ``--chat-template-content-format``."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The replicas' ``--default-chat-template-kwargs``."""
+    max_model_len: int | None = None
+    """The replicas' ``--max-model-len`` (needed for ``truncate_prompt_tokens=-1``)."""
+    loras: list[str] = Field(default_factory=list)
+    """LoRA adapter names served on top of this model."""
+
+
+class ScrapeSettings(_Section):
+    """Scraping each replica's ``/metrics`` for load other routers add."""
+
+    enabled: bool = True
+    """Scrape at all (off: the router's own accounting only)."""
+    interval_s: float = Field(default=1.0, gt=0)
+    """Time between scrape rounds: vLLM refreshes its gauges every scheduler step, and a
+    second keeps the cost to one small GET per replica per second."""
+    timeout_s: float = Field(default=0.5, gt=0)
+    """One scrape; a slower replica's sample is skipped (unknown, not zero)."""
+    stale_after_s: float = Field(default=3.0, gt=0)
+    """A sample older than this is unknown (three missed rounds)."""
+
+
+class ScoringSettings(_Section):
+    """Knobs of the ``kv`` policy (formula in ``router.scoring``; defaults sized there)."""
+
+    alpha: float = Field(default=1.0, ge=0)
+    """Weight of the prefill tokens the replica would compute for the request."""
+    beta: float = Field(default=1.0, ge=0)
+    """Weight of the prefill tokens already queued there (same unit: equal by default,
+    so the score is the prefill ahead of the first token)."""
+    gamma: float = Field(default=32.0, ge=0)
+    """Prefill tokens one decoding sequence is worth (it shares every batch step)."""
+    min_hit_tokens: int = Field(default=64, ge=0)
+    """Below this many expected cached tokens on the best replica, use session affinity
+    (four 16-token blocks: less is a chat template's boilerplate, not a conversation)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Softmax temperature in tokens for sampling among replicas; 0 = best score, ties
+    by the request's affinity ring order."""
+    kv_bytes_per_token: float = Field(default=131072.0, gt=0)
+    """KV cache bytes per token (layers x KV heads x head dim x 2 x dtype bytes);
+    128 KiB is Llama-3-8B in bf16."""
+    prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
+    """A replica's prefill rate; sets the queue wait and the value of offloaded blocks."""
+    cpu_bandwidth_bytes_per_s: float = Field(default=25e9, ge=0)
+    """Host-to-device bandwidth for reloading CPU-offloaded blocks (PCIe Gen4 ~25 GB/s)."""
+    storage_bandwidth_bytes_per_s: float = Field(default=3e9, ge=0)
+    """Bandwidth for reloading blocks from storage (NVMe ~3 GB/s)."""
+    horizon_spread: float = Field(default=0.5, ge=0, le=1)
+    """Relative uncertainty of the eviction horizon."""
+    horizon_tau_s: float = Field(default=30.0, gt=0)
+    """Time constant of the block allocation rate average."""
+    disconnected_trust: float = Field(default=0.5, ge=0, le=1)
+    """Index trust for a replica whose event stream is disconnected."""
+    gap_trust: float = Field(default=0.5, ge=0, le=1)
+    """Index trust right after missed events (recovers over ``gap_window_s``)."""
+    gap_window_s: float = Field(default=30.0, ge=0)
+    """Recovery window after a gap."""
+    reset_trust: float = Field(default=0.5, ge=0, le=1)
+    """Index trust right after a reset or restart (recovers over ``reset_window_s``)."""
+    reset_window_s: float = Field(default=10.0, ge=0)
+    """Recovery window after a reset."""
+    foreign_prefill_tokens_per_request: float = Field(default=512.0, ge=0)
+    """Prefill tokens assumed per scraped waiting request that is not ours."""
+    balance_abs_tokens: float = Field(default=4096.0, ge=0)
+    """Affinity fallback only: leave the pinned replica when its load (in prefill
+    tokens) exceeds the least loaded by this much ..."""
+    balance_rel: float = Field(default=2.0, ge=1)
+    """... and by this factor."""
+    affinity_prefix_blocks: int = Field(default=8, ge=1)
+    """Blocks of the prompt hashed for the affinity key when there is no session key
+    and no chat message to key on."""
+    affinity_vnodes: int = Field(default=160, ge=1)
+    """Points per replica on the consistent-hash ring."""
+    provisional_ttl_s: float = Field(default=10.0, ge=0)
+    """How long a routed request's blocks count as held before events confirm them."""
+    provisional_max_keys: int = Field(default=1_000_000, ge=0)
+    """Bound on provisional entries (8 bytes of key each plus dict overhead)."""
+    max_sessions: int = Field(default=100_000, ge=0)
+    """Sessions remembered (stickiness, think time, prefix breaks)."""
+    session_token_bytes: int = Field(default=64 << 20, ge=0)
+    """Bytes of previous prompts kept for prefix-break detection (4 per token)."""
+    detect_prefix_breaks: bool = True
+    """Compare each session's new prompt with its previous one (explicit session keys)."""
+    receipt_large_abs_tokens: int = Field(default=64, ge=0)
+    """A receipt disagrees largely when off by more than this many tokens ..."""
+    receipt_large_rel: float = Field(default=0.1, ge=0)
+    """... and by more than this share of the prompt."""
+    receipt_trust_weight: float = Field(default=0.05, ge=0, le=1)
+    """How fast a replica's hit trust follows its receipts."""
+    receipt_trust_floor: float = Field(default=0.2, ge=0, le=1)
+    """The lowest hit trust receipts can drive a replica to."""
+    remote_render: bool = True
+    """Ask a replica (``/tokenize``) when a prompt cannot be rendered locally."""
+    remote_render_timeout_s: float = Field(default=2.0, gt=0)
+    """One remote render."""
+    models: list[ModelSettings] = Field(default_factory=list)
+    """Models rendered for KV routing; a model not listed is routed by affinity."""
+    scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    """Replica ``/metrics`` scraping."""
 
 
 class RouterSettings(BaseSettings):

@@ -16,7 +16,7 @@ one registry.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from router.load import LoadTracker
     from router.replicas import ReplicaRegistry
 
-__all__ = ["Outcome", "RouterMetrics"]
+__all__ = ["KvMetrics", "Outcome", "RouterMetrics"]
 
 Outcome = Literal[
     "ok", "http_4xx", "http_5xx", "connect_error", "timeout", "midstream_error", "cancelled"
@@ -81,6 +81,8 @@ class RouterMetrics:
             ["replica", "state"], registry=registry,
         )
         self._state: _StateCollector | None = None
+        self.kv = KvMetrics(registry)
+        """The KV-aware routing series (``router.kv_policy`` and its helpers)."""
 
     def bind_state(self, replicas: ReplicaRegistry, load: LoadTracker) -> None:
         """Expose the registry's health and the tracker's load as scrape-time gauges."""
@@ -97,6 +99,7 @@ class RouterMetrics:
             if collector is not None:
                 self.registry.unregister(collector)
         self._state = None
+        self.kv.close()
 
 
 class _StateCollector:
@@ -136,3 +139,168 @@ class _StateCollector:
         yield queued
         yield decoding
         yield healthy
+
+
+# Routing cost: the KV path (render + hash + lookup + score) should stay well under a
+# millisecond; 10 us .. 100 ms shows both the warm path and a remote render.
+_ROUTE_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 1e-1,
+)
+# Prediction error in tokens (actual - predicted cached tokens).  Errors are whole
+# tokens, so the -1 and 0 bounds isolate exact matches: count(le=0) - count(le=-1).
+_ERROR_BUCKETS = (
+    -16384, -4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096, 16384,
+)
+# Think time between a session's turns: tool calls (sub-second) to humans (minutes).
+_THINK_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+class KvMetrics:
+    """Series of the KV-aware policies: decisions' predictions, receipts, sessions,
+    eviction horizon, and the routing cost.  Labels: replica ids, policy names and small
+    enums only."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.route_seconds = Histogram(
+            "router_route_seconds",
+            "Time a policy takes to decide (render, hash, index lookup, scoring), by policy.",
+            ["policy"], buckets=_ROUTE_BUCKETS, registry=registry,
+        )
+        self.stage_seconds = Histogram(
+            "router_kv_stage_seconds",
+            "Time of each stage of the kv policy: render, lookup, score.",
+            ["stage"], buckets=_ROUTE_BUCKETS, registry=registry,
+        )
+        self.predicted_cached_tokens = Counter(
+            "router_kv_predicted_cached_tokens_total",
+            "Cached tokens the index predicts on the chosen replica (point prediction).",
+            ["replica"], registry=registry,
+        )
+        self.expected_cached_tokens = Counter(
+            "router_kv_expected_cached_tokens_total",
+            "Cached tokens the scoring credited on the chosen replica (probability-weighted).",
+            ["replica"], registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "router_receipt_prompt_tokens_total",
+            "Prompt tokens the replicas reported, by replica and kind: cached (prefill "
+            "saved) or computed.",
+            ["replica", "kind"], registry=registry,
+        )
+        self.receipts = Counter(
+            "router_receipts_total",
+            "Receipts checked against their prediction, by replica and outcome "
+            "(match, over, under, missing).",
+            ["replica", "outcome"], registry=registry,
+        )
+        self.prediction_error = Histogram(
+            "router_kv_prediction_error_tokens",
+            "Reported minus predicted cached tokens, per request, by replica.",
+            ["replica"], buckets=_ERROR_BUCKETS, registry=registry,
+        )
+        self.disagreements = Counter(
+            "router_kv_prediction_disagreements_total",
+            "Receipts far from their prediction (rendering or index wrong), by replica and "
+            "direction (over: predicted more than served).",
+            ["replica", "direction"], registry=registry,
+        )
+        self.session_turns = Counter(
+            "router_session_turns_total",
+            "Later turns of a session, by policy and placement (same_replica or moved).",
+            ["policy", "placement"], registry=registry,
+        )
+        self.think_time = Histogram(
+            "router_session_think_time_seconds",
+            "Time between a turn finishing and the session's next request.",
+            buckets=_THINK_BUCKETS, registry=registry,
+        )
+        self.session_returns = Counter(
+            "router_session_returns_total",
+            "Later turns by whether they came back within their replica's eviction horizon.",
+            ["replica", "outcome"], registry=registry,
+        )
+        self.prefix_breaks = Counter(
+            "router_prefix_breaks_total",
+            "Later turns whose prompt does not extend the previous one, by likely cause.",
+            ["cause"], registry=registry,
+        )
+        self.prefix_break_lost_tokens = Counter(
+            "router_prefix_break_lost_tokens_total",
+            "Tokens of previous prompts invalidated by prefix breaks.",
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "router_kv_fallbacks_total",
+            "Times the kv policy could not use the index, by cause (index_down, "
+            "render_failed, no_prompt).",
+            ["cause"], registry=registry,
+        )
+        self.scrape_failures = Counter(
+            "router_scrape_failures_total", "Failed /metrics scrapes, by replica.",
+            ["replica"], registry=registry,
+        )
+        self._state: _KvStateCollector | None = None
+
+    def bind_state(self, source: KvStateSource) -> None:
+        """Expose horizon and load terms as scrape-time gauges read from ``source``."""
+        if self._state is not None:
+            self.registry.unregister(self._state)
+        self._state = _KvStateCollector(source)
+        self.registry.register(self._state)
+
+    def close(self) -> None:
+        """Unregister every series."""
+        for collector in (
+            self.route_seconds, self.stage_seconds, self.predicted_cached_tokens,
+            self.expected_cached_tokens, self.prompt_tokens, self.receipts,
+            self.prediction_error, self.disagreements, self.session_turns, self.think_time,
+            self.session_returns, self.prefix_breaks, self.prefix_break_lost_tokens,
+            self.fallbacks, self.scrape_failures, self._state,
+        ):
+            if collector is not None:
+                self.registry.unregister(collector)
+        self._state = None
+
+
+class KvStateSource(Protocol):
+    """What ``KvMetrics`` reads at scrape time (implemented by the kv policy)."""
+
+    def gauge_rows(self) -> Iterator[tuple[str, str, float]]:
+        """``(gauge name, replica, value)`` rows; names from ``KV_GAUGES``."""
+        ...
+
+
+KV_GAUGES = {
+    "router_eviction_horizon_seconds":
+        "Estimated seconds an idle cached block survives on the replica (free blocks over "
+        "block allocation rate); compare with router_session_think_time_seconds.",
+    "router_kv_allocation_blocks_per_second":
+        "Estimated KV blocks the replica allocates per second.",
+    "router_kv_load_queued_prefill_tokens":
+        "Queued prefill tokens the kv scoring used last (own accounting plus scraped "
+        "foreign queue).",
+    "router_kv_load_decode":
+        "Decode load the kv scoring used last (own decoding or scraped running).",
+    "router_kv_index_trust":
+        "The index trust factor (staleness, gaps, receipts) the kv scoring used last.",
+}
+
+
+class _KvStateCollector:
+    def __init__(self, source: KvStateSource) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            name: GaugeMetricFamily(name, doc, labels=["replica"])
+            for name, doc in KV_GAUGES.items()
+        }
+        for name, replica, value in self._source.gauge_rows():
+            family = families.get(name)
+            if family is not None:
+                family.add_metric([replica], value)
+        yield from families.values()
