@@ -276,6 +276,8 @@ def test_two_routers_share_one_redis_index(
         assert flag(command(svc), "--config") == ROUTER_CONFIG_MOUNT, name
         assert f"./deploy/router.yaml:{ROUTER_CONFIG_MOUNT}:ro" in svc["volumes"], name
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
+    redis_cmd = command(services["redis"])
+    assert flag(redis_cmd, "--maxmemory-policy") == "volatile-lru", "index keys carry TTLs"
     settings = RouterSettings.load(config_file=repo / "deploy/router.yaml", env={})
     assert settings.index.backend == "redis"
     url = urlsplit(settings.index.url)
