@@ -1,0 +1,243 @@
+"""``kvroute demo``: what KV-aware routing is worth, on a simulated fleet, in one command.
+
+Steps (all children of this process, all stopped at the end, on errors and on Ctrl-C):
+
+1. Build the tiny test tokenizer (``kvroute replica tiny-model``) in the output folder.
+2. Generate a multi-turn workload in the main example's shape (a 1,500-token system
+   prompt per tenant, 150-token user turns, 350-token replies, 10 turns, log-normal think
+   time with a tail of late returners, Poisson arrivals), sized to the tokenizer.
+3. Start a simulated fleet (``kvroute sim``, 4 replicas by default) at a time scale that
+   replays minutes of traffic in seconds.
+4. For each policy: empty the replicas' caches, start ``kvroute serve --policy P`` (the
+   in-memory index, fed by the replicas' KV events), replay the trace open loop.
+5. Compute the oracle bound from the replicas' own tokenisation of the trace.
+6. Print the table; write ``summary.json``, ``results.jsonl``, ``trace.jsonl`` and the
+   plots ``ttft-distribution.png`` and ``ttft-by-turn.png`` in the output folder.
+
+Sized for two minutes on two cores, in simulated time: generation is capped
+(``--max-tokens``, default 16) while the history grows by the trace's 350-token replies
+(TTFT and prefill, the figures compared, do not depend on the number of generated
+tokens); think times are short (median 3 s, 10% of users back after ~30 s) and arrivals
+dense, which keeps the same competition for cache between turns as minutes of real
+traffic would at a proportionally lower rate.  The time scale (0.1: ten times faster than
+real time) is the compromise between run time and wall-clock noise: TTFT is the simulated
+replica's own figure (simulated seconds), but a replica that falls behind the wall clock
+on a busy machine adds its lag divided by the time scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import plots, report
+from bench.compare import POLICIES, Target, TargetRun, run_targets, tokenize_trace
+from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
+from bench.oracle import OracleResult, oracle_bound
+from bench.runner import ProgressFn, RequestResult, RunConfig
+from bench.trace import TraceRequest, save
+from bench.workload import Dist, ThinkTime, WorkloadSpec, preset, tokens_per_word
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Everything the demo can be told (the CLI's flags)."""
+
+    out: Path = Path("kvroute-demo-out")
+    replicas: int = 4
+    policies: tuple[str, ...] = POLICIES
+    sessions: int = 16
+    turns: int = 10
+    system_tokens: int = 1500
+    user_tokens: int = 150
+    reply_tokens: int = 350
+    tenants: int = 4
+    arrival_rate: float = 0.5
+    """New conversations per simulated second."""
+    think_median_s: float = 3.0
+    think_tail_share: float = 0.1
+    think_tail_median_s: float = 30.0
+    block_size: int = 16
+    num_blocks: int = 2048
+    """KV blocks per replica (about 32k tokens): enough for a few live conversations
+    each, so spreading a conversation over every replica costs evictions."""
+    time_scale: float = 0.1
+    """Wall seconds per simulated second."""
+    max_tokens: int = 16
+    profile: str = "llama-3.1-8b-h100"
+    seed: int = 0
+    progress: bool = True
+    plots: bool = True
+
+    def workload(self, tpw: float) -> WorkloadSpec:
+        """The workload for a tokenizer with ``tpw`` tokens per generated word."""
+        return preset(
+            "main",
+            sessions=self.sessions,
+            arrival_rate=self.arrival_rate,
+            turns=Dist("fixed", self.turns),
+            system_tokens=Dist("fixed", self.system_tokens),
+            user_tokens=Dist("fixed", self.user_tokens),
+            reply_tokens=Dist("fixed", self.reply_tokens),
+            think=ThinkTime(
+                Dist("lognormal", self.think_median_s, 0.6, hi=self.think_median_s * 10),
+                Dist("lognormal", self.think_tail_median_s, 0.3,
+                     hi=self.think_tail_median_s * 5),
+                self.think_tail_share,
+            ),
+            tenants=self.tenants,
+            sharing="tenant",
+            tokens_per_word=tpw,
+            seed=self.seed,
+        )
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """What the demo produced."""
+
+    table: str
+    summaries: list[report.RunSummary]
+    oracle: OracleResult | None
+    files: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def _measure_tpw(tokenizer_dir: Path) -> float:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return tokens_per_word(lambda s: tok.encode(s, add_special_tokens=False).ids)
+
+
+def _progress_factory(
+    enabled: bool, total: int
+) -> Callable[[Target], tuple[ProgressFn | None, Callable[[], None]]]:
+    def make(target: Target) -> tuple[ProgressFn | None, Callable[[], None]]:
+        if not enabled:
+            return None, lambda: None
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"{target.name:<13}", unit="req", leave=True,
+                   dynamic_ncols=True)
+
+        def step(r: RequestResult) -> None:
+            bar.update(1)
+
+        return step, bar.close
+
+    return make
+
+
+async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo (see the module docstring); returns the table and summaries."""
+    t_start = time.perf_counter()
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = await build_tokenizer_dir(out / "tiny-model")
+    tpw = await asyncio.to_thread(_measure_tpw, tok_dir)
+    spec = opts.workload(tpw)
+    from bench.workload import generate
+
+    trace = generate(spec)
+    save(trace, out / "trace.jsonl")
+    say(f"workload: {len(trace)} requests, {opts.sessions} conversations x {opts.turns} "
+        f"turns, {opts.tenants} tenants; fleet: {opts.replicas} simulated replicas x "
+        f"{opts.num_blocks} blocks of {opts.block_size}; time scale {opts.time_scale}")
+    fleet_spec = FleetSpec(
+        tokenizer=tok_dir, replicas=opts.replicas, model="kvroute-demo",
+        block_size=opts.block_size, num_blocks=opts.num_blocks, time_scale=opts.time_scale,
+        profile=opts.profile, router=False, log_dir=out / "logs",
+    )
+    base = RunConfig(url="", model=fleet_spec.model, time_scale=opts.time_scale,
+                     max_tokens_cap=opts.max_tokens, sim_timing=True)
+    targets = [Target(p, policy=p) for p in opts.policies]
+    async with Fleet(fleet_spec) as fleet:
+        oracle_reqs = await tokenize_trace(fleet.replica_urls[0], trace,
+                                           model=fleet_spec.model,
+                                           max_tokens_cap=opts.max_tokens)
+        oracle = oracle_bound(oracle_reqs, block_size=opts.block_size,
+                              replicas=opts.replicas, blocks_per_replica=opts.num_blocks - 1,
+                              model=fleet_spec.model)
+        runs = await run_targets(fleet, targets, trace, base,
+                                 _progress_factory(opts.progress, len(trace)))
+    return _finish(opts, trace, runs, oracle, tpw, t_start)
+
+
+def _finish(
+    opts: DemoOptions,
+    trace: Sequence[TraceRequest],
+    runs: Sequence[TargetRun],
+    oracle: OracleResult,
+    tpw: float,
+    t_start: float,
+) -> DemoResult:
+    out = opts.out
+    done = [r for r in runs if r.error is None]
+    skipped = {r.target.name: r.error or "" for r in runs if r.error is not None}
+    summaries = [
+        report.summarize(r.target.name, r.results, time_scale=opts.time_scale, oracle=oracle,
+                         wall_s=round(r.wall_s, 2))
+        for r in done
+    ]
+    table = report.format_table(summaries, oracle)
+    result = DemoResult(table, summaries, oracle, skipped=skipped)
+    with (out / "results.jsonl").open("w") as fh:
+        for r in done:
+            for x in r.results:
+                fh.write(json.dumps({"target": r.target.name, **x.to_json()}) + "\n")
+    result.files["results"] = str(out / "results.jsonl")
+    result.files["trace"] = str(out / "trace.jsonl")
+    by_name = {r.target.name: r.results for r in done}
+    if opts.plots and done:
+        result.files["ttft_distribution"] = str(
+            plots.ttft_distribution(by_name, out / "ttft-distribution.png",
+                                    time_scale=opts.time_scale))
+        result.files["ttft_by_turn"] = str(
+            plots.ttft_by_turn_plot(by_name, out / "ttft-by-turn.png",
+                                    time_scale=opts.time_scale))
+    result.wall_s = round(time.perf_counter() - t_start, 1)
+    doc = report.to_json(summaries, oracle, {
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "tokens_per_word": tpw,
+        "requests": len(trace),
+        "skipped": skipped,
+        "ttft_by_turn_ms": {
+            r.target.name: {t: round(v * 1000, 2) for t, v in
+                            report.ttft_by_turn(r.results, opts.time_scale).items()}
+            for r in done
+        },
+        "wall_s": result.wall_s,
+    })
+    (out / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
+    result.files["summary"] = str(out / "summary.json")
+    return result
+
+
+def render_result(result: DemoResult) -> str:
+    """The text the CLI prints at the end."""
+    lines = ["", result.table, ""]
+    for name, why in result.skipped.items():
+        lines.append(f"skipped {name}: {why}")
+    if result.oracle is not None:
+        o = result.oracle
+        lines.append(
+            f"oracle: a perfectly informed router on the same caches serves "
+            f"{o.oracle_share:.0%} of prompt tokens from cache (pooled fleet "
+            f"{o.pooled_saved / o.prompt_tokens:.0%}, infinite cache "
+            f"{o.unbounded_saved / o.prompt_tokens:.0%})" if o.prompt_tokens else "")
+    for key, path in result.files.items():
+        lines.append(f"{key}: {path}")
+    lines.append(f"done in {result.wall_s:.0f} s")
+    return "\n".join(lines)
+
+
+def options_json(opts: DemoOptions) -> dict[str, Any]:
+    """The options as JSON (for logs)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()}

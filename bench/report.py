@@ -1,0 +1,198 @@
+"""Summaries of benchmark runs: one row per policy (or endpoint), plus the oracle.
+
+Figures per run (definitions, so the table can be read without the code):
+
+* ``prompt_tokens``: sum of ``usage.prompt_tokens`` over successful requests.
+* ``computed_tokens``: prefill tokens actually computed, ``prompt - cached``.
+* ``cached_share``: ``cached / prompt``, with ``cached`` the engine's
+  ``usage.prompt_tokens_details.cached_tokens``.
+* ``of_oracle``: ``cached / oracle_saved`` (``bench.oracle``), the share of what a perfectly
+  informed router could have served from the same caches.
+* ``ttft_p50/p90/p99``: time to first token in simulated seconds when the replicas report
+  it (``usage.kvroute_sim.ttft_s``), else wall-clock TTFT divided by the time scale
+  (``ttft_source`` says which).
+* ``stay_share``: share of later turns (turn >= 2) that landed on the replica that served
+  the previous turn of the same session (from ``x-kvroute-replica``).
+* ``spread``: requests per replica.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.oracle import OracleResult
+from bench.runner import RequestResult
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) with linear interpolation; ``None`` when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def ttft_of(r: RequestResult, time_scale: float) -> float | None:
+    """A request's TTFT in simulated seconds (see the module docstring)."""
+    if r.sim_ttft_s is not None:
+        return r.sim_ttft_s
+    if r.ttft_s is not None:
+        return r.ttft_s / time_scale
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """The figures of one run (see the module docstring)."""
+
+    name: str
+    requests: int
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    cached_share: float
+    of_oracle: float | None
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    ttft_source: str
+    stay_share: float | None
+    spread: dict[str, int] = field(default_factory=dict)
+    wall_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def stay_share(results: Sequence[RequestResult]) -> float | None:
+    """Share of later turns served by the previous turn's replica."""
+    by_session: dict[str, list[RequestResult]] = {}
+    for r in results:
+        if r.ok and r.replica is not None:
+            by_session.setdefault(r.session, []).append(r)
+    stays = moves = 0
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn)
+        for a, b in zip(turns, turns[1:], strict=False):
+            if b.turn == a.turn + 1:
+                stays += a.replica == b.replica
+                moves += a.replica != b.replica
+    total = stays + moves
+    return stays / total if total else None
+
+
+def summarize(
+    name: str,
+    results: Sequence[RequestResult],
+    *,
+    time_scale: float,
+    oracle: OracleResult | None = None,
+    wall_s: float | None = None,
+) -> RunSummary:
+    """The figures of one run."""
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    ttfts = [t for r in ok if (t := ttft_of(r, time_scale)) is not None]
+    sim = any(r.sim_ttft_s is not None for r in ok)
+    spread: dict[str, int] = {}
+    for r in ok:
+        if r.replica is not None:
+            spread[r.replica] = spread.get(r.replica, 0) + 1
+    return RunSummary(
+        name=name,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        computed_tokens=prompt - cached,
+        cached_share=cached / prompt if prompt else 0.0,
+        of_oracle=cached / oracle.oracle_saved if oracle and oracle.oracle_saved else None,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p90=percentile(ttfts, 90),
+        ttft_p99=percentile(ttfts, 99),
+        ttft_source="simulated" if sim else "wall/time_scale",
+        stay_share=stay_share(results),
+        spread=dict(sorted(spread.items())),
+        wall_s=wall_s,
+    )
+
+
+def ttft_by_turn(results: Sequence[RequestResult], time_scale: float) -> dict[int, float]:
+    """Median TTFT (simulated seconds) per turn number."""
+    groups: dict[int, list[float]] = {}
+    for r in results:
+        t = ttft_of(r, time_scale) if r.ok else None
+        if t is not None:
+            groups.setdefault(r.turn, []).append(t)
+    return {turn: statistics.median(v) for turn, v in sorted(groups.items())}
+
+
+def computed_by_turn(results: Sequence[RequestResult]) -> dict[int, float]:
+    """Mean prefill tokens computed (prompt - cached) per turn number."""
+    groups: dict[int, list[int]] = {}
+    for r in results:
+        if r.ok and r.prompt_tokens is not None:
+            groups.setdefault(r.turn, []).append(r.prompt_tokens - (r.cached_tokens or 0))
+    return {turn: statistics.fmean(v) for turn, v in sorted(groups.items())}
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 10 else f"{x:.1f} s"
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def format_table(runs: Sequence[RunSummary], oracle: OracleResult | None = None) -> str:
+    """The comparison table, one row per run, then the oracle."""
+    cols = ["policy", "prefill computed", "cached", "of oracle", "TTFT p50", "p90", "p99",
+            "same replica", "errors"]
+    rows: list[list[str]] = []
+    for s in runs:
+        rows.append([
+            s.name, f"{s.computed_tokens:,}", _fmt_pct(s.cached_share), _fmt_pct(s.of_oracle),
+            _fmt_s(s.ttft_p50), _fmt_s(s.ttft_p90), _fmt_s(s.ttft_p99),
+            _fmt_pct(s.stay_share), str(s.errors),
+        ])
+    if oracle is not None:
+        rows.append([
+            "oracle", f"{oracle.prompt_tokens - oracle.oracle_saved:,}",
+            _fmt_pct(oracle.oracle_share), "100%", "-", "-", "-", "-", "-",
+        ])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
+def to_json(
+    runs: Sequence[RunSummary],
+    oracle: OracleResult | None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON document of a comparison."""
+    doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
+    if oracle is not None:
+        doc["oracle"] = {**asdict(oracle), "oracle_share": oracle.oracle_share}
+    if extra:
+        doc.update(extra)
+    return doc
