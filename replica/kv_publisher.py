@@ -43,6 +43,7 @@ from typing import Final
 import zmq
 import zmq.asyncio
 
+from index.discovery import is_bind_endpoint, offset_endpoint_port
 from index.events import KVEvent, KVEventBatch, encode_batch, encode_batch_legacy
 
 __all__ = ["END_SEQ", "KVEventPublisher", "is_bind_endpoint", "offset_endpoint_port"]
@@ -51,34 +52,6 @@ log = logging.getLogger(__name__)
 
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the replay end marker (8 bytes of 0xff)."""
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind for wildcards and local transports, connect otherwise."""
-    return (
-        "*" in endpoint
-        or "::" in endpoint
-        or endpoint.startswith("ipc://")
-        or endpoint.startswith("inproc://")
-    )
-
-
-def offset_endpoint_port(endpoint: str, dp_rank: int) -> str:
-    """vLLM's per-data-parallel-rank endpoint: ``tcp://h:P`` -> ``tcp://h:(P+rank)``,
-    ``inproc://x`` -> ``inproc://x_dp{rank}``; rank 0 and port 0 are unchanged; ``ipc://``
-    with a rank above 0 is an error."""
-    if dp_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{dp_rank}"
-    if endpoint.startswith("ipc://"):
-        raise ValueError("ipc:// endpoints cannot be offset for data-parallel ranks")
-    if endpoint.startswith("tcp://"):
-        head, _, port = endpoint.rpartition(":")
-        if int(port) == 0:
-            return endpoint
-        return f"{head}:{int(port) + dp_rank}"
-    return endpoint
 
 
 class KVEventPublisher:
