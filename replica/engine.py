@@ -124,7 +124,8 @@ class SimEngine:
     # ---- requests ------------------------------------------------------------------
 
     def submit(self, req: SimRequest) -> None:
-        """Queue a request; its ``on_output`` fires after each step that gives it a token."""
+        """Queue a request; its ``on_output`` fires after each step that gives it a token
+        (only after the last one when ``req.stream`` is false)."""
         self.scheduler.add(req, self.now())
         self._wake.set()
 
@@ -193,7 +194,7 @@ class SimEngine:
                 await self._flush(events)
             for req in outputs:
                 cb = req.on_output
-                if cb is not None:
+                if cb is not None and (req.stream or req.finished):
                     cb(req)
 
     def step_virtual(self) -> list[SimRequest]:

@@ -65,7 +65,7 @@ class SimRequest:
         "finish_s",
         "finished",
         "on_output",
-        "extra_delay_s",
+        "stream",
     )
 
     def __init__(
@@ -79,6 +79,7 @@ class SimRequest:
         lora_name: str | None = None,
         seed: int = 0,
         on_output: Callable[[SimRequest], None] | None = None,
+        stream: bool = True,
     ) -> None:
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
@@ -100,7 +101,8 @@ class SimRequest:
         self.finish_s: float | None = None
         self.finished = False
         self.on_output = on_output
-        self.extra_delay_s = 0.0
+        self.stream = stream
+        """``on_output`` fires for every token when true, else only when finished."""
 
     @property
     def num_output(self) -> int:
@@ -212,29 +214,36 @@ class Scheduler:
         extra_s = 0.0
         preempted = False
         running = self.running
+        free_queue = pool.free_queue  # len() of it is the number of free blocks
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = min(len(req.tokens) - req.num_computed, budget)
-            need = -(-(req.num_computed + n) // bs) - len(req.blocks)
-            ok = True
-            while need > pool.num_free:
-                victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    ok = False
+            nc = req.num_computed
+            n = len(req.tokens) - nc
+            if n > budget:
+                n = budget
+            total = nc + n
+            blocks = req.blocks
+            if total > len(blocks) * bs:
+                need = -(-total // bs) - len(blocks)
+                ok = True
+                while need > len(free_queue):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        ok = False
+                        break
+                if not ok:
                     break
-            if not ok:
-                break
-            if need > 0:
-                req.blocks.extend(pool.allocate(need))
-            self._cache(req, req.num_computed + n)
+                blocks.extend(pool.allocate(need))
+            if total // bs > req.num_cached_blocks:
+                self._cache(req, total)
             scheduled.append((req, n))
             budget -= n
-            if req.num_computed >= req.num_prompt:
+            if nc >= req.num_prompt:
                 decode_seqs += 1
-                context_tokens += req.num_computed
+                context_tokens += nc
             else:
                 prefill_tokens += n
             i += 1
@@ -297,37 +306,41 @@ class Scheduler:
         vocab = self.vocab
         nv = len(vocab)
         bs = self.block_size
+        model = self.model
         for req, n in plan.scheduled:
             if req.finished:  # aborted while the step ran
                 continue
-            req.num_computed += n
+            nc = req.num_computed + n
+            req.num_computed = nc
             tokens = req.tokens
-            if req.num_computed < len(tokens):
+            if nc < len(tokens):
                 continue
             # Sample one token (deterministic per request seed).
             x = (req.rng * _LCG_A + _LCG_C) & _MASK64
             req.rng = x
             tokens.append(vocab[(x >> 33) % nv])
-            stats.generation_tokens += 1
+            n_tok = nc + 1
             if req.first_token_s is None:
                 req.first_token_s = now
                 stats.ttfts.append(now - req.arrival_s)
                 stats.prompt_tokens += req.num_prompt
-            if len(tokens) % bs == 0:
-                req.keys.extend(
+            if n_tok % bs == 0:
+                keys = req.keys
+                keys.extend(
                     block_keys(
-                        tokens[-bs:], bs, model=self.model, cache_salt=req.cache_salt,
-                        lora_name=req.lora_name, parent=req.keys[-1] if req.keys else None,
-                        first_block_index=len(tokens) // bs - 1,
+                        tokens[-bs:], bs, model=model, cache_salt=req.cache_salt,
+                        lora_name=req.lora_name, parent=keys[-1] if keys else None,
+                        first_block_index=n_tok // bs - 1,
                     )
                 )
-            if len(tokens) - req.num_prompt >= req.max_tokens:
+            if n_tok - req.num_prompt >= req.max_tokens:
                 req.finished = True
                 req.finish_s = now
                 stats.finished += 1
                 finished_any = True
                 self._release(req)
             out.append(req)
+        stats.generation_tokens += len(out)
         if finished_any:
             self.running = [r for r in self.running if not r.finished]
         return out

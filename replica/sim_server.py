@@ -325,7 +325,7 @@ class SimServer:
         try:
             ids = self.renderer.render_chat(body) if chat else self.renderer.render_completion(body)
         except RenderError as exc:
-            raise _HttpError(400, str(exc)) from exc
+            raise _HttpError(400, str(exc), "BadRequestError", exc.param) from exc
         if not ids:
             raise _HttpError(400, "The prompt must not be empty", "BadRequestError", "prompt")
         limit = self.engine.max_model_len
@@ -449,6 +449,7 @@ class SimServer:
         req = SimRequest(
             rid, ids, max_tokens, keys=sched.make_keys(ids, cache_salt=salt, lora_name=None),
             cache_salt=salt, seed=seed_val, on_output=on_output,
+            stream=bool(body.get("stream")),
         )
         self.engine.submit(req)
         try:
