@@ -13,7 +13,7 @@ from index.events import (
     decode_batch,
     normalise_hash,
 )
-from index.types import Medium
+from index.types import EngineKey, Medium
 
 enc = msgspec.msgpack.encode
 
@@ -24,8 +24,8 @@ def test_oldest_array_layouts_decode_by_length() -> None:
                          ["BlockRemoved", [1]], ["AllBlocksCleared"]], None])  # fmt: skip
     batch = decode_batch(payload)
     assert batch.events == [
-        StoredEvent([1, 2], 9, [1, 2, 3, 4], 2, Medium.GPU),
-        RemovedEvent([1], Medium.GPU),
+        StoredEvent([EngineKey(1), EngineKey(2)], EngineKey(9), [1, 2, 3, 4], 2, Medium.GPU),
+        RemovedEvent([EngineKey(1)], Medium.GPU),
         ClearedEvent(),
     ]
 
@@ -58,7 +58,7 @@ def test_unknown_fields_and_tags_are_ignored() -> None:
 
 def test_medium_none_means_gpu_and_missing_rank_is_none() -> None:
     batch = decode_batch(enc([1, [{"type": "BlockRemoved", "block_hashes": [1], "medium": None}]]))
-    assert batch.events == [RemovedEvent([1], Medium.GPU)]
+    assert batch.events == [RemovedEvent([EngineKey(1)], Medium.GPU)]
     assert batch.data_parallel_rank is None and batch.ts == 1.0
 
 

@@ -24,7 +24,7 @@ from index.events import (
     encode_batch,
     encode_batch_legacy,
 )
-from index.types import Medium
+from index.types import EngineKey, Medium
 
 GOLDEN = Path(__file__).parent / "golden"
 U = 0x1122334455667788
@@ -94,10 +94,11 @@ def test_both_encodings_decode_to_the_same_events(prefix: str) -> None:
     basic = decode_batch((GOLDEN / f"{prefix}_basic.msgpack").read_bytes())
     assert basic.ts == 1.5 and basic.data_parallel_rank == 0 and basic.ignored == 0
     assert basic.events == [
-        StoredEvent([U, BIG], None, [1, 2, 3, 4], 2, Medium.GPU, None, [["salt-1"], None], 0,
+        StoredEvent([EngineKey(U), EngineKey(BIG)], None, [1, 2, 3, 4], 2, Medium.GPU, None,
+                    [["salt-1"], None], 0, "full_attention"),
+        StoredEvent([EngineKey(7)], EngineKey(BIG), [5, 6], 2, Medium.GPU, None, [None], 0,
                     "full_attention"),
-        StoredEvent([7], BIG, [5, 6], 2, Medium.GPU, None, [None], 0, "full_attention"),
-        RemovedEvent([U], Medium.GPU, 0),
+        RemovedEvent([EngineKey(U)], Medium.GPU, 0),
         ClearedEvent(),
     ]  # fmt: skip
 

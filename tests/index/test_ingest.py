@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -58,8 +59,8 @@ async def feed(ing: EventIngestor, events: list[KVEvent], *, legacy: bool = Fals
 async def test_salt_and_lora_events_match_prompt_keys(index: KVIndex, legacy: bool) -> None:
     ing = EventIngestor(index, R, MODEL)
     h = hashes(0, 10)
-    first = BlockStored(h[:5], None, PROMPT[:20], BS, 7, "GPU", "ad",
-                        extra_keys=[("ad", "tenant")] + [("ad",)] * 4)  # fmt: skip
+    extra: list[tuple[Any, ...] | None] = [("ad", "tenant"), ("ad",), ("ad",), ("ad",), ("ad",)]
+    first = BlockStored(h[:5], None, PROMPT[:20], BS, 7, "GPU", "ad", extra_keys=extra)
     # The continuation arrives in a later batch: its parent resolves through the index.
     rest = BlockStored(h[5:], h[4], PROMPT[20:], BS, 7, "GPU", "ad", extra_keys=[("ad",)] * 5)
     await feed(ing, [first], legacy=legacy)
