@@ -1,10 +1,447 @@
-"""Subcommands of ``kvroute`` that belong to ``bench``."""
+"""Subcommands of ``kvroute`` that belong to ``bench``.
+
+* ``kvroute demo``: a simulated fleet, every policy in turn, the table and plots.
+* ``kvroute bench generate|run|compare``: workloads, replay against any endpoint, and
+  policy (and peer router) comparisons on a simulated fleet, with sweeps.
+* ``kvroute check-prompts``: the append-only prompt checker.
+* ``kvroute probe-horizon``: the turn-2 eviction-horizon probe.
+
+Handlers import their heavy dependencies lazily so ``kvroute --help`` stays fast.  Every
+handler runs its event loop with ``asyncio.run``, so Ctrl-C cancels the main task and the
+fleet's ``async with`` stops every child process on the way out.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+NETNS_ENV = "KVROUTE_BENCH_NETNS"
+"""Set (to the namespace's name) when ``kvroute bench compare`` runs inside the
+loopback-only network namespace it created for peer routers."""
 
 
-def register(sub: "argparse._SubParsersAction[Any]") -> None:
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
+    _register_demo(sub)
+    _register_bench(sub)
+    _register_check(sub)
+    _register_probe(sub)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` that also turns SIGTERM into a cancellation (clean child shutdown)."""
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            try:
+                loop.add_signal_handler(signal.SIGTERM, task.cancel)
+            except (NotImplementedError, RuntimeError):
+                pass
+        return await coro
+
+    return asyncio.run(main())
+
+
+# ---- demo ----------------------------------------------------------------------------
+
+
+def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
+    from bench.compare import POLICIES
+
+    p = sub.add_parser(
+        "demo",
+        help="show what KV-aware routing saves, on a simulated fleet (no GPU needed)",
+        description="Start a simulated fleet and kvroute, drive a multi-turn workload with "
+        "think time through each routing policy in turn, and print prefill computed, "
+        "cached share, TTFT p50/p90/p99, same-replica share and the oracle bound; "
+        "writes summary.json, results.jsonl and PNG plots to --out.",
+    )
+    p.add_argument("--out", type=Path, default=Path("kvroute-demo-out"),
+                   help="output folder (default ./kvroute-demo-out)")
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated (default {','.join(POLICIES)})")
+    p.add_argument("--sessions", type=int, default=None, help="conversations (default 16)")
+    p.add_argument("--turns", type=int, default=None, help="turns each (default 10)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per replica (default 2048)")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="wall seconds per simulated second (default 0.1)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="generated tokens per turn (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from bench.demo import DemoOptions, render_result, run_demo
+    from bench.fleet import FleetError
+
+    opts = DemoOptions(out=args.out, replicas=args.replicas,
+                       policies=tuple(p for p in args.policies.split(",") if p),
+                       seed=args.seed, progress=not args.no_progress, plots=not args.no_plots)
+    for name in ("sessions", "turns", "num_blocks", "time_scale", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            opts = replace(opts, **{name: value})
+    try:
+        result = _run(run_demo(opts, say=_say))
+    except FleetError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvroute demo: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 130
+    if args.json:
+        print(Path(result.files["summary"]).read_text())
+    else:
+        print(render_result(result))
+    return 0 if result.summaries else 1
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- bench ---------------------------------------------------------------------------
+
+
+def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="workloads, trace replay and policy comparisons",
+        description="Generate multi-turn workloads, replay them against any "
+        "OpenAI-compatible endpoint, or compare routing policies (and peer routers) on a "
+        "simulated fleet.",
+    )
+    bsub = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
+
+    g = bsub.add_parser("generate", help="write a workload trace (JSONL)")
+    _workload_args(g)
+    g.add_argument("--out", type=Path, required=True, help="trace file to write")
+    g.set_defaults(func=_bench_generate)
+
+    r = bsub.add_parser("run", help="replay a trace against an OpenAI-compatible URL")
+    r.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8080")
+    r.add_argument("--model", required=True, help="model for trace lines that name none")
+    _workload_args(r)
+    _replay_args(r)
+    r.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="extra request header (repeatable), e.g. X-KVRoute-Policy:kv")
+    r.add_argument("--out", type=Path, default=None, help="results JSONL to write")
+    r.set_defaults(func=_bench_run)
+
+    c = bsub.add_parser(
+        "compare",
+        help="compare policies (and peer routers) on a simulated fleet, with the oracle",
+        description="Each target gets the same trace on the same simulated fleet with "
+        "emptied caches.  Peer routers (--peer) run only inside a loopback-only network "
+        "namespace (this command re-executes itself inside one; needs root and `ip`).",
+    )
+    _workload_args(c)
+    _replay_args(c)
+    _fleet_args(c)
+    c.add_argument("--policies", default="round_robin,least_loaded,session,kv")
+    c.add_argument("--peer", action="append", default=[], metavar="SPEC",
+                   help="name=NAME;cmd=COMMAND with {port} and {workers};ready=/health "
+                   "(repeatable)")
+    c.add_argument("--sweep", action="append", default=[], metavar="AXIS=V1,V2",
+                   help="vary replicas, num_blocks or think (a factor on think times); "
+                   "repeatable, one axis at a time")
+    c.add_argument("--out", type=Path, default=Path("kvroute-bench-out"))
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=_bench_compare)
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    from bench.workload import PRESETS
+
+    w = p.add_argument_group("workload (ignored with --trace)")
+    w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace")
+    w.add_argument("--preset", choices=PRESETS, default="main")
+    w.add_argument("--sessions", type=int, default=None)
+    w.add_argument("--arrival-rate", type=float, default=None,
+                   help="new conversations per second (Poisson)")
+    w.add_argument("--turns", default=None, help="distribution, e.g. 10 or uniform:4,12")
+    w.add_argument("--system-tokens", default=None, help="e.g. 1500 or lognormal:1500,0.3")
+    w.add_argument("--user-tokens", default=None)
+    w.add_argument("--reply-tokens", default=None)
+    w.add_argument("--sharing", choices=("shared", "tenant", "unique"), default=None)
+    w.add_argument("--tenants", type=int, default=None)
+    w.add_argument("--salted", action="store_true", help="a cache_salt per tenant")
+    w.add_argument("--think-median", type=float, default=None, help="seconds")
+    w.add_argument("--think-sigma", type=float, default=None)
+    w.add_argument("--think-tail-share", type=float, default=None)
+    w.add_argument("--think-tail-median", type=float, default=None, help="seconds")
+    w.add_argument("--tokens-per-word", type=float, default=None)
+    w.add_argument("--seed", type=int, default=0)
+
+
+def _replay_args(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("replay")
+    r.add_argument("--time-scale", type=float, default=None,
+                   help="wall seconds per trace second (default 1, compare: 0.1)")
+    r.add_argument("--replies", choices=("trace", "actual"), default="trace",
+                   help="history carries the trace's fixed replies (default) or the real ones")
+    r.add_argument("--max-tokens", type=int, default=None, help="cap generated tokens per turn")
+    r.add_argument("--no-stream", action="store_true")
+    r.add_argument("--sim-timing", action="store_true",
+                   help="ask simulated replicas for simulated TTFT")
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
+    f = p.add_argument_group("simulated fleet")
+    f.add_argument("--replicas", type=int, default=4)
+    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica")
+    f.add_argument("--profile", default="llama-3.1-8b-h100")
+    f.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer directory (default: build the tiny one in --out)")
+
+
+def _workload_spec(args: argparse.Namespace, tpw: float | None = None) -> Any:
+    from dataclasses import replace
+
+    from bench.workload import Dist, ThinkTime, preset
+
+    spec = preset(args.preset, seed=args.seed)
+    changes: dict[str, Any] = {}
+    for name in ("sessions", "arrival_rate", "sharing", "tenants", "tokens_per_word"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    for name in ("turns", "system_tokens", "user_tokens", "reply_tokens"):
+        if getattr(args, name) is not None:
+            changes[name] = Dist.parse(getattr(args, name))
+    if args.salted:
+        changes["salted"] = True
+    if tpw is not None and args.tokens_per_word is None:
+        changes["tokens_per_word"] = tpw
+    think = spec.think
+    body, tail = think.body, think.tail
+    if args.think_median is not None:
+        body = replace(body, a=args.think_median, hi=max(body.hi, args.think_median * 10))
+    if args.think_sigma is not None:
+        body = replace(body, b=args.think_sigma)
+    if args.think_tail_median is not None:
+        tail = replace(tail, a=args.think_tail_median,
+                       hi=max(tail.hi, args.think_tail_median * 5))
+    share = think.tail_share if args.think_tail_share is None else args.think_tail_share
+    changes["think"] = ThinkTime(body, tail, share)
+    return replace(spec, **changes)
+
+
+def _load_or_generate(args: argparse.Namespace, tpw: float | None = None) -> list[Any]:
+    from bench.trace import load
+    from bench.workload import generate
+
+    if args.trace is not None:
+        return load(args.trace)
+    return generate(_workload_spec(args, tpw))
+
+
+def _bench_generate(args: argparse.Namespace) -> int:
+    from bench.trace import save
+    from bench.workload import summarize
+
+    trace = _load_or_generate(args)
+    save(trace, args.out)
+    print(json.dumps({"trace": str(args.out), **summarize(trace)}, indent=2))
+    return 0
+
+
+def _headers(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        if not sep:
+            raise SystemExit(f"bad --header {item!r}: expected NAME:VALUE")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def _bench_run(args: argparse.Namespace) -> int:
+    from bench import report
+    from bench.runner import RunConfig, Runner
+
+    trace = _load_or_generate(args)
+    cfg = RunConfig(
+        url=args.url, model=args.model, time_scale=args.time_scale or 1.0,
+        replies=args.replies, stream=not args.no_stream, headers=_headers(args.header),
+        max_tokens_cap=args.max_tokens, sim_timing=args.sim_timing,
+    )
+
+    async def go() -> list[Any]:
+        async with Runner(cfg) as runner:
+            return await runner.run(trace)
+
+    results = _run(go())
+    if args.out is not None:
+        with args.out.open("w") as fh:
+            for r in results:
+                fh.write(json.dumps(r.to_json()) + "\n")
+    summary = report.summarize(args.url, results, time_scale=cfg.time_scale)
+    print(report.format_table([summary]))
+    return 0 if summary.errors == 0 else 1
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    from bench.compare import PeerSpec, reexec_in_netns, run_compare
+
+    peers = [PeerSpec.parse(s) for s in args.peer]
+    if peers and not os.environ.get(NETNS_ENV):
+        return reexec_in_netns(NETNS_ENV, sys.argv[1:])
+    try:
+        doc = _run(run_compare(args, peers, _workload_spec, say=_say))
+    except KeyboardInterrupt:
+        print("kvroute bench: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 130
+    print(doc)
+    return 0
+
+
+# ---- check-prompts -------------------------------------------------------------------
+
+
+def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "check-prompts",
+        help="check that each turn's prompt is an append-only extension of the previous",
+        description="Render transcripts (JSONL: a message list per line, or objects with "
+        "messages, session, tools, chat_template_kwargs, generated_token_ids) as the engine "
+        "would and report, per turn, tokens, shared prefix, reusable blocks and share of "
+        "the previous prompt; for turns under the threshold, the first differing token, "
+        "its message and a likely cause.",
+    )
+    p.add_argument("transcripts", type=Path, help="transcript JSONL")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokenizer", type=Path,
+                     help="model directory with tokenizer.json and a chat template")
+    src.add_argument("--url", help="render with a replica's /tokenize instead (vLLM or sim)")
+    p.add_argument("--model", default=None, help="model name for --url")
+    p.add_argument("--generated", type=Path, default=None,
+                   help="JSONL of {session, turn, token_ids}: the engine's generated ids")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="flag turns keeping less than this share (default 0.9)")
+    p.add_argument("--json", type=Path, default=None, help="also write the JSON report here")
+    p.set_defaults(func=_check_prompts)
+
+
+def _check_prompts(args: argparse.Namespace) -> int:
+    from bench.check_prompts import (
+        Checker,
+        format_table,
+        http_tokenizer,
+        load_transcripts,
+        local_tokenizer,
+        to_json,
+    )
+
+    tok = (http_tokenizer(args.url, args.model) if args.url
+           else local_tokenizer(args.tokenizer))
+    checker = Checker(tok, block_size=args.block_size, threshold=args.threshold)
+    sessions = load_transcripts(args.transcripts, args.generated)
+    reports = [checker.check_session(turns, name) for name, turns in sessions.items()]
+    print(format_table(reports, args.block_size))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(reports), indent=2) + "\n")
+    return 0
+
+
+# ---- probe-horizon -------------------------------------------------------------------
+
+
+def _register_probe(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "probe-horizon",
+        help="find the pause after which a conversation's next turn misses the cache",
+        description="For each pause, send a two-turn conversation with a unique nonce, "
+        "wait, send turn 2, and report turn-2 TTFT and cached tokens; the pause at which "
+        "they jump is the eviction horizon.  --sim starts a simulated replica to probe "
+        "(with a time scale, the probe of minutes takes seconds).",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="endpoint to probe (replica or router)")
+    target.add_argument("--sim", action="store_true",
+                        help="probe a simulated replica started for the purpose")
+    p.add_argument("--model", default=None, help="model name (required with --url)")
+    p.add_argument("--pauses", default="0,10,30,60,120", help="seconds, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="wall seconds per probe second (default 1; with --sim 0.02)")
+    p.add_argument("--background-rps", type=float, default=0.0,
+                   help="background requests per second of unique prompts")
+    p.add_argument("--background-tokens", type=int, default=512)
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds of background load before probing")
+    p.add_argument("--num-blocks", type=int, default=1024, help="--sim: KV blocks")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.set_defaults(func=_probe)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from bench.horizon import ProbeConfig, Prober, format_table
+
+    pauses = tuple(float(x) for x in args.pauses.split(",") if x.strip())
+
+    async def go() -> Any:
+        if not args.sim:
+            if not args.model:
+                raise SystemExit("kvroute probe-horizon: --model is required with --url")
+            cfg = ProbeConfig(
+                url=args.url, model=args.model, pauses=pauses, repeats=args.repeats,
+                prompt_tokens=args.prompt_tokens, time_scale=args.time_scale or 1.0,
+                background_rps=args.background_rps,
+                background_tokens=args.background_tokens, warmup_s=args.warmup,
+            )
+            return await Prober(cfg).run()
+        return await _probe_sim(args, pauses)
+
+    result = _run(go())
+    print(format_table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return 0
+
+
+async def _probe_sim(args: argparse.Namespace, pauses: tuple[float, ...]) -> Any:
+    import tempfile
+
+    from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
+    from bench.horizon import ProbeConfig, Prober
+    from bench.workload import measure_tokens_per_word
+
+    scale = args.time_scale or 0.02
+    with tempfile.TemporaryDirectory(prefix="kvroute-probe-") as tmp:
+        tok = await build_tokenizer_dir(Path(tmp) / "tiny-model")
+        tpw = await asyncio.to_thread(measure_tokens_per_word, tok)
+        spec = FleetSpec(tokenizer=tok, replicas=1, num_blocks=args.num_blocks,
+                         time_scale=scale, router=False, log_dir=Path(tmp) / "logs")
+        async with Fleet(spec) as fleet:
+            cfg = ProbeConfig(
+                url=fleet.url, model=spec.model, pauses=pauses, repeats=args.repeats,
+                prompt_tokens=args.prompt_tokens, tokens_per_word=tpw, time_scale=scale,
+                sim_timing=True, background_rps=args.background_rps,
+                background_tokens=args.background_tokens, warmup_s=args.warmup,
+            )
+            return await Prober(cfg).run()

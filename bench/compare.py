@@ -176,3 +176,147 @@ async def run_targets(
         finally:
             close()
     return runs
+
+
+SWEEP_AXES: tuple[str, ...] = ("replicas", "num_blocks", "think")
+"""What ``--sweep`` may vary: replica count, KV blocks per replica, and a factor on
+every think time (longer thinking, more traffic between turns, more evictions)."""
+
+
+def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[float]]]:
+    """``["replicas=2,4,8"]`` -> ``[("replicas", [2.0, 4.0, 8.0])]``."""
+    out: list[tuple[str, list[float]]] = []
+    for item in items:
+        axis, sep, values = item.partition("=")
+        if not sep or axis not in SWEEP_AXES:
+            raise ValueError(f"bad --sweep {item!r}: use one of {', '.join(SWEEP_AXES)}=V1,V2")
+        out.append((axis, [float(v) for v in values.split(",") if v.strip()]))
+    return out
+
+
+def scale_think(trace: Sequence[TraceRequest], factor: float) -> list[TraceRequest]:
+    """The trace with every think time multiplied by ``factor``."""
+    return [replace(r, think_s=r.think_s * factor) for r in trace]
+
+
+def reexec_in_netns(env_name: str, argv: Sequence[str]) -> int:
+    """Run ``kvroute <argv>`` again inside a new loopback-only network namespace and
+    delete the namespace afterwards (peer routers must not reach the network)."""
+    import os
+    import subprocess
+    import sys
+
+    name = f"kvbench-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+                       check=True)
+        proc = subprocess.run(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "kvroute", *argv],
+            env={**os.environ, env_name: name}, check=False,
+        )
+        return proc.returncode
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+async def run_compare(
+    args: Any,
+    peers: Sequence[PeerSpec],
+    workload_spec: Callable[[Any, float | None], Any],
+    say: Callable[[str], None] = print,
+) -> str:
+    """``kvroute bench compare``: every target on the fleet, for every sweep point.
+
+    Writes ``compare.json`` (and plots) to ``args.out``; returns the text to print."""
+    import json
+    from pathlib import Path
+
+    from bench import plots, report
+    from bench.fleet import FleetSpec, build_tokenizer_dir
+    from bench.oracle import oracle_bound
+    from bench.trace import load, save
+    from bench.workload import generate, measure_tokens_per_word
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = args.tokenizer or await build_tokenizer_dir(out / "tiny-model")
+    tpw = await asyncio.to_thread(measure_tokens_per_word, tok_dir)
+    base_trace = load(args.trace) if args.trace else generate(workload_spec(args, tpw))
+    save(base_trace, out / "trace.jsonl")
+    policies = [p for p in args.policies.split(",") if p]
+    targets = [Target(p, policy=p) for p in policies] + [Target(p.name, peer=p) for p in peers]
+    scale = args.time_scale or 0.1
+    run_cfg = RunConfig(url="", model="kvroute-bench", time_scale=scale, replies=args.replies,
+                        stream=not args.no_stream, max_tokens_cap=args.max_tokens,
+                        sim_timing=True)
+    sweeps = parse_sweep(args.sweep) or [("none", [0.0])]
+    texts: list[str] = []
+    points: list[dict[str, Any]] = []
+    for axis, values in sweeps:
+        for value in values:
+            replicas = int(value) if axis == "replicas" else args.replicas
+            num_blocks = int(value) if axis == "num_blocks" else args.num_blocks
+            trace = scale_think(base_trace, value) if axis == "think" else base_trace
+            label = "" if axis == "none" else f"{axis}={value:g}"
+            say(f"{label or 'run'}: {len(trace)} requests, {replicas} replicas x "
+                f"{num_blocks} blocks, targets {', '.join(t.name for t in targets)}")
+            spec = FleetSpec(tokenizer=tok_dir, replicas=replicas, model=run_cfg.model,
+                             block_size=args.block_size, num_blocks=num_blocks,
+                             time_scale=scale, profile=args.profile, router=False,
+                             log_dir=out / "logs")
+            async with Fleet(spec) as fleet:
+                reqs = await tokenize_trace(fleet.replica_urls[0], trace, model=spec.model,
+                                            max_tokens_cap=args.max_tokens)
+                oracle = oracle_bound(reqs, block_size=args.block_size, replicas=replicas,
+                                      blocks_per_replica=num_blocks - 1, model=spec.model)
+                runs = await run_targets(fleet, targets, trace, run_cfg,
+                                         progress_bars(not args.no_progress, len(trace)))
+            summaries = [report.summarize(r.target.name, r.results, time_scale=scale,
+                                          oracle=oracle, wall_s=round(r.wall_s, 2))
+                         for r in runs if r.error is None]
+            skipped = [f"skipped {r.target.name}: {r.error}" for r in runs if r.error]
+            texts.append("\n".join(filter(None, [label, report.format_table(summaries, oracle),
+                                                  *skipped])))
+            for s in summaries:
+                points.append({"axis": axis, "value": value, "policy": s.name,
+                               "cached_share": s.cached_share, "of_oracle": s.of_oracle,
+                               "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
+                               "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
+                               "oracle_share": oracle.oracle_share, **s.to_json()})
+            if axis == "none":
+                by_name = {r.target.name: r.results for r in runs if r.error is None}
+                plots.ttft_distribution(by_name, out / "ttft-distribution.png",
+                                        time_scale=scale)
+                plots.ttft_by_turn_plot(by_name, out / "ttft-by-turn.png", time_scale=scale)
+    for axis, _ in sweeps:
+        if axis == "none":
+            continue
+        pts = [{**p, axis: p["value"]} for p in points if p["axis"] == axis]
+        plots.sweep_plot(pts, out / f"sweep-{axis}-cached.png", x=axis, y="cached_share",
+                         title=f"cached share vs {axis}")
+        plots.sweep_plot(pts, out / f"sweep-{axis}-p99.png", x=axis, y="ttft_p99_ms",
+                         title=f"TTFT p99 (ms) vs {axis}")
+    (out / "compare.json").write_text(json.dumps({"points": points}, indent=2) + "\n")
+    texts.append(f"written: {out / 'compare.json'}")
+    return "\n\n".join(texts)
+
+
+def progress_bars(
+    enabled: bool, total: int
+) -> Callable[[Target], tuple[ProgressFn | None, Callable[[], None]]]:
+    """A ``progress_for`` for ``run_targets``: one tqdm bar per target (or none)."""
+
+    def make(target: Target) -> tuple[ProgressFn | None, Callable[[], None]]:
+        if not enabled:
+            return None, lambda: None
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"{target.name:<13}", unit="req", mininterval=0.5)
+
+        def step(_: RequestResult) -> None:
+            bar.update(1)
+
+        return step, bar.close
+
+    return make

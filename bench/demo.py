@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots, report
-from bench.compare import POLICIES, Target, TargetRun, run_targets, tokenize_trace
+from bench.compare import POLICIES, Target, TargetRun, progress_bars, run_targets, tokenize_trace
 from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
 from bench.oracle import OracleResult, oracle_bound
-from bench.runner import ProgressFn, RequestResult, RunConfig
+from bench.runner import RunConfig
 from bench.trace import TraceRequest, save
-from bench.workload import Dist, ThinkTime, WorkloadSpec, preset, tokens_per_word
+from bench.workload import Dist, ThinkTime, WorkloadSpec, measure_tokens_per_word, preset
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,39 +109,13 @@ class DemoResult:
     wall_s: float = 0.0
 
 
-def _measure_tpw(tokenizer_dir: Path) -> float:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    return tokens_per_word(lambda s: tok.encode(s, add_special_tokens=False).ids)
-
-
-def _progress_factory(
-    enabled: bool, total: int
-) -> Callable[[Target], tuple[ProgressFn | None, Callable[[], None]]]:
-    def make(target: Target) -> tuple[ProgressFn | None, Callable[[], None]]:
-        if not enabled:
-            return None, lambda: None
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=f"{target.name:<13}", unit="req", leave=True,
-                   dynamic_ncols=True)
-
-        def step(r: RequestResult) -> None:
-            bar.update(1)
-
-        return step, bar.close
-
-    return make
-
-
 async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> DemoResult:
     """Run the demo (see the module docstring); returns the table and summaries."""
     t_start = time.perf_counter()
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     tok_dir = await build_tokenizer_dir(out / "tiny-model")
-    tpw = await asyncio.to_thread(_measure_tpw, tok_dir)
+    tpw = await asyncio.to_thread(measure_tokens_per_word, tok_dir)
     spec = opts.workload(tpw)
     from bench.workload import generate
 
@@ -166,7 +140,7 @@ async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> Dem
                               replicas=opts.replicas, blocks_per_replica=opts.num_blocks - 1,
                               model=fleet_spec.model)
         runs = await run_targets(fleet, targets, trace, base,
-                                 _progress_factory(opts.progress, len(trace)))
+                                 progress_bars(opts.progress, len(trace)))
     return _finish(opts, trace, runs, oracle, tpw, t_start)
 
 

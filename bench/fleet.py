@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,19 +160,69 @@ class Fleet:
         self.replica_urls = list(
             await asyncio.gather(*(self._wait_sim(c) for c in sims))
         )
-        if not spec.router:
-            return
+        if spec.router:
+            self.router_url, _ = await self._start_router(spec.policy, "router")
+
+    async def _start_router(self, policy: str | None, name: str) -> tuple[str, _Child]:
         port = free_port()
         argv = kvroute_command(
             "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
             *[a for url in self.replica_urls for a in ("--replica", url)],
-            *(["--policy", spec.policy] if spec.policy else []),
-            *spec.router_args,
+            *(["--policy", policy] if policy else []),
+            *self.spec.router_args,
         )
-        router = await self._spawn("router", argv)
+        child = await self._spawn(name, argv)
         url = f"http://127.0.0.1:{port}"
-        await self._wait_http(router, url + "/ready")
-        self.router_url = url
+        await self._wait_http(child, url + "/ready")
+        return url, child
+
+    @contextlib.asynccontextmanager
+    async def router(self, policy: str | None = None) -> AsyncIterator[str]:
+        """A router in front of this fleet's replicas for the duration of the block
+        (yields its URL); stopped on exit.  Several may run one after another."""
+        name = f"router-{policy or 'default'}"
+        child: _Child | None = None
+        try:
+            url, child = await self._start_router(policy, name)
+            yield url
+        finally:
+            stopping = [c for c in self._children if c.name == name]
+            self._children = [c for c in self._children if c.name != name]
+            if stopping:
+                await asyncio.shield(_terminate(stopping))
+
+    @contextlib.asynccontextmanager
+    async def peer(
+        self, name: str, command: Sequence[str], port: int, ready_path: str = "/health"
+    ) -> AsyncIterator[str]:
+        """A peer router (any command line, already filled in with its port and the
+        replica URLs) for the duration of the block; yields its URL."""
+        child_name = f"peer-{name}"
+        try:
+            child = await self._spawn(child_name, command)
+            url = f"http://127.0.0.1:{port}"
+            await self._wait_http(child, url + ready_path)
+            yield url
+        finally:
+            stopping = [c for c in self._children if c.name == child_name]
+            self._children = [c for c in self._children if c.name != child_name]
+            if stopping:
+                await asyncio.shield(_terminate(stopping))
+
+    async def reset_caches(self, timeout_s: float = 30.0) -> None:
+        """Empty every replica's prefix cache (``POST /reset_prefix_cache``), retrying
+        while requests still hold blocks, so the next run starts from equal caches."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http:
+            for url in self.replica_urls:
+                while True:
+                    async with http.post(url + "/reset_prefix_cache") as resp:
+                        if resp.status == 200:
+                            break
+                        if time.monotonic() > deadline:
+                            raise FleetError(f"{url} would not reset its prefix cache "
+                                             f"(HTTP {resp.status})")
+                    await asyncio.sleep(0.1)
 
     async def _wait_sim(self, child: _Child) -> str:
         """The URL a replica prints on its first stdout line, once it answers /health."""

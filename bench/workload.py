@@ -28,6 +28,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 from bench.trace import TraceRequest
@@ -301,3 +302,11 @@ def tokens_per_word(encode: Callable[[str], Sequence[int]], *, seed: int = 0) ->
     2,000-word sample of this module's text."""
     sample = words(random.Random(seed), 2000, 1.0)
     return max(len(encode(" " + sample)) / 2000, 0.05)
+
+
+def measure_tokens_per_word(tokenizer_dir: Path) -> float:
+    """``tokens_per_word`` for the ``tokenizer.json`` in ``tokenizer_dir`` (blocking)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    return tokens_per_word(lambda s: tok.encode(s, add_special_tokens=False).ids)
