@@ -20,33 +20,31 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
-import openai
 import promql_parser
 import pytest
-import redis
 import yaml
-from kvroute_procs import KvrouteProcess, router_config, start_router
+from kvroute_procs import (
+    QUESTIONS,
+    Conversation,
+    KvrouteProcess,
+    Turn,
+    full_blocks,
+    index_entries,
+    metric_value,
+    router_config,
+    send_turn,
+    start_router,
+    wait_indexed,
+)
 from vllm_fleet import VllmReplica
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-
-SYSTEM = (
-    "You are the support assistant of a bicycle repair shop. Answer in one short sentence, "
-    "quote the price list when asked about prices, and ask for the frame number first. "
-)
-QUESTIONS = [
-    "My rear brake squeaks when it rains. What should I check first?",
-    "And how much does a new set of brake pads cost, fitted?",
-    "Can you also true the rear wheel while it is in the shop?",
-]
-
 
 # --- the deployment files against real vLLM ---------------------------------------------------
 
@@ -151,33 +149,6 @@ def test_dashboard_vllm_series_are_exported_by_real_vllm(
 
 
 @dataclass
-class Turn:
-    """One answered request as the client saw it."""
-
-    replica: str
-    predicted: int
-    cached: int
-    prompt_tokens: int
-    content: str
-
-
-@dataclass
-class Conversation:
-    """A client-side chat history that grows turn by turn."""
-
-    session: str
-    messages: list[dict[str, str]] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-
-    @classmethod
-    def new(cls, topic: str) -> Conversation:
-        """A conversation with the shared system prompt and its own first question."""
-        session = f"conv-{uuid.uuid4().hex[:8]}"
-        system = SYSTEM + f"Customer file {session}, topic: {topic}."
-        return cls(session, [{"role": "system", "content": system}])
-
-
-@dataclass
 class Stack:
     """The router under test and what it routes to."""
 
@@ -187,11 +158,18 @@ class Stack:
     key_prefix: str
     model: str
 
-    def client(self) -> openai.OpenAI:
-        """The official client, pointed at the router."""
-        return openai.OpenAI(
-            base_url=self.router.url + "/v1", api_key="unused", max_retries=0, timeout=120.0
-        )
+    @property
+    def block_size(self) -> int:
+        """The replicas' KV block size."""
+        return self.replicas[0].block_size
+
+    def conversation(self, topic: str) -> Conversation:
+        """A new conversation on the fleet's model."""
+        return Conversation.new(self.model, topic)
+
+    def entries(self, replica_id: str) -> int:
+        """Blocks the Redis index attributes to ``replica_id``."""
+        return index_entries(self.redis_url, self.key_prefix, replica_id)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +180,7 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     """kvroute (kv policy, Redis index, KV events from both replicas) in front of the
-    e2e fleet, with both replicas' caches empty."""
+    e2e fleet, both replicas' caches emptied first."""
     for replica in vllm_fleet:
         if not replica.alive:
             replica.restart()
@@ -220,151 +198,90 @@ def stack(
         router.stop()
 
 
-def debug_route(stack: Stack, messages: list[dict[str, str]], session: str) -> dict[str, Any]:
-    """The router's decision for a request, without sending it."""
-    r = httpx.post(
-        stack.router.url + "/debug/route",
-        json={"model": stack.model, "messages": messages, "max_tokens": 8},
-        headers={"X-Session-ID": session},
-        timeout=10.0,
-    )
-    r.raise_for_status()
-    body: dict[str, Any] = r.json()
-    return body
-
-
-def send_turn(stack: Stack, client: openai.OpenAI, conv: Conversation, question: str) -> Turn:
-    """Ask ``question`` in ``conv`` through the router; record where it went."""
-    conv.messages.append({"role": "user", "content": question})
-    raw = client.chat.completions.with_raw_response.create(
-        model=stack.model,
-        messages=conv.messages,  # type: ignore[arg-type]
-        max_tokens=8,
-        temperature=0.0,
-        extra_headers={"X-Session-ID": conv.session},
-    )
-    completion = raw.parse()
-    usage = completion.usage
-    assert usage is not None and usage.prompt_tokens_details is not None
-    content = completion.choices[0].message.content or ""
-    conv.messages.append({"role": "assistant", "content": content})
-    turn = Turn(
-        replica=raw.headers["x-kvroute-replica"],
-        predicted=int(raw.headers["x-kvroute-predicted-cached-tokens"]),
-        cached=usage.prompt_tokens_details.cached_tokens or 0,
-        prompt_tokens=usage.prompt_tokens,
-        content=content,
-    )
-    conv.turns.append(turn)
-    return turn
-
-
-def wait_indexed(stack: Stack, conv: Conversation, question: str, timeout_s: float = 10.0) -> None:
-    """Wait until the router's index holds ``conv``'s last prompt on its replica.
-
-    KV events are published by the engine after the response and ingested asynchronously;
-    a user's think time hides that lag, a test has to wait for it (typically well under a
-    second).
-    """
-    block = stack.replicas[0].block_size
-    last = conv.turns[-1]
-    want = (last.prompt_tokens // block) * block
-    messages = [*conv.messages, {"role": "user", "content": question}]
-    deadline = time.monotonic() + timeout_s
-    decision: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        decision = debug_route(stack, messages, conv.session)
-        if decision["replica"] == last.replica and decision["predicted_cached_tokens"] >= want:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"index never caught up with {last}: last decision {decision}")
-
-
-def index_entries(stack: Stack, replica_id: str) -> int:
-    """Blocks the Redis index attributes to ``replica_id`` (engine-key map size)."""
-    ns = stack.key_prefix.rstrip(":")
-    client = redis.Redis.from_url(stack.redis_url, socket_timeout=2.0)
-    try:
-        count: int = client.hlen(f"{ns}:e:{replica_id}")
-        return count
-    finally:
-        client.close()
-
-
 def test_later_turns_follow_their_cache_and_predictions_match(stack: Stack) -> None:
-    client = stack.client()
-    block = stack.replicas[0].block_size
-    convs = [Conversation.new(topic) for topic in ("brakes", "gears", "tyres", "lights")]
+    convs = [stack.conversation(topic) for topic in ("brakes", "gears", "tyres", "lights")]
     for conv in convs:
-        send_turn(stack, client, conv, QUESTIONS[0])
+        send_turn(stack.router, conv, QUESTIONS[0])
     for question in QUESTIONS[1:]:
         for conv in convs:
-            wait_indexed(stack, conv, question)
+            wait_indexed(stack.router, conv, question, stack.block_size)
             previous = conv.turns[-1]
-            turn = send_turn(stack, client, conv, question)
+            turn = send_turn(stack.router, conv, question)
             assert turn.replica == previous.replica, (conv.session, conv.turns)
-            assert turn.cached >= (previous.prompt_tokens // block) * block, conv.turns
+            assert turn.cached >= full_blocks(previous.prompt_tokens, stack.block_size), conv.turns
             assert turn.predicted == turn.cached, (conv.session, conv.turns)
-    # Sessions are spread over both replicas, not piled on one.
-    assert {c.turns[0].replica for c in convs} == {r.id for r in stack.replicas}
 
 
 def test_a_killed_replica_loses_no_request_and_comes_back(stack: Stack) -> None:
-    client = stack.client()
-    # Warm one conversation on each replica.
-    convs: dict[str, Conversation] = {}
-    for i in range(8):
-        conv = Conversation.new(f"warm-{i}")
-        turn = send_turn(stack, client, conv, QUESTIONS[0])
-        convs.setdefault(turn.replica, conv)
-        if len(convs) == len(stack.replicas):
+    # Conversations held by one replica, the victim (their next turns stick to it).
+    held: list[Conversation] = []
+    for i in range(12):
+        conv = stack.conversation(f"held-{i}")
+        replica = send_turn(stack.router, conv, QUESTIONS[0]).replica
+        if not held or replica == held[0].turns[0].replica:
+            held.append(conv)
+        if len(held) == 3:
             break
-    assert len(convs) == len(stack.replicas), "could not place a conversation on each replica"
-    victim = next(r for r in stack.replicas if r.id in convs)
+    assert len(held) >= 2, "conversations never shared a replica"
+    victim = next(r for r in stack.replicas if r.id == held[0].turns[0].replica)
     survivor = next(r for r in stack.replicas if r is not victim)
-    wait_indexed(stack, convs[victim.id], QUESTIONS[1])
-    assert index_entries(stack, victim.id) > 0
+    for conv in held:
+        wait_indexed(stack.router, conv, QUESTIONS[1], stack.block_size)
+    assert stack.entries(victim.id) > 0
+    failovers_before = metric_value(stack.router, "router_failovers_total", replica=victim.id)
 
-    # Requests keep flowing (non-streaming: nothing reaches the client before the end, so
-    # a request cut off by the crash is retried on the survivor) while the victim dies.
-    def one(i: int) -> Turn:
-        conv = Conversation.new(f"load-{i}")
-        return send_turn(stack, stack.client(), conv, QUESTIONS[i % len(QUESTIONS)])
+    # Their next turns, plus new conversations, are running when the victim crashes.  They
+    # are non-streaming (nothing reaches a client before the response is complete), so a
+    # request cut off by the crash must be retried on the survivor: none may be lost.
+    def later(conv: Conversation) -> Turn:
+        return send_turn(stack.router, conv, QUESTIONS[1], answer_tokens=48)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
-        futures = [pool.submit(one, i) for i in range(12)]
-        while sum(f.done() for f in futures) < 3:
-            time.sleep(0.05)
+    def fresh(i: int) -> Turn:
+        return send_turn(stack.router, stack.conversation(f"load-{i}"), QUESTIONS[i % 3])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:
+        cut = [pool.submit(later, conv) for conv in held]
+        deadline = time.monotonic() + 60.0
+        while metric_value(stack.router, "router_inflight_requests", replica=victim.id) < len(cut):
+            assert time.monotonic() < deadline, "the held turns never reached the victim"
+            time.sleep(0.02)
         victim.kill()
-        answered = [f.result(timeout=300) for f in futures]  # raises if any was lost
-    assert len(answered) == 12
-    after_kill = send_turn(stack, client, convs[victim.id], QUESTIONS[1])
-    assert after_kill.replica == survivor.id
+        others = [pool.submit(fresh, i) for i in range(6)]
+        cut_turns = [f.result(timeout=300) for f in cut]  # raises if a request was lost
+        other_turns = [f.result(timeout=300) for f in others]
+    assert all(t.replica == survivor.id for t in cut_turns), cut_turns
+    assert all(t.replica == survivor.id for t in other_turns), other_turns
+    failovers = metric_value(stack.router, "router_failovers_total", replica=victim.id)
+    assert failovers - failovers_before >= len(cut), "the crash cut no request off"
 
-    # The dead replica's blocks leave the index.
+    # The dead replica's blocks leave the index, and no decision points at it.
     deadline = time.monotonic() + 15.0
-    while index_entries(stack, victim.id) and time.monotonic() < deadline:
+    while stack.entries(victim.id) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert index_entries(stack, victim.id) == 0
-    decision = debug_route(stack, convs[victim.id].messages, convs[victim.id].session)
+    assert stack.entries(victim.id) == 0
+    conv = held[0]
+    decision = stack.router.debug_route(stack.model, conv.next_messages(QUESTIONS[2]),
+                                        conv.session)
     assert decision["replica"] == survivor.id
 
-    # Back again: it gets traffic, and what it caches is predicted exactly.
+    # Back again: it becomes a routing choice, serves, and its cache is predicted exactly.
     victim.restart()
-    stack.router.wait_ok("/ready")
-    deadline = time.monotonic() + 30.0
     back: Conversation | None = None
+    deadline = time.monotonic() + 30.0
     while back is None and time.monotonic() < deadline:
-        conv = Conversation.new(f"back-{uuid.uuid4().hex[:4]}")
-        decision = debug_route(stack, [*conv.messages, {"role": "user", "content": QUESTIONS[0]}],
-                               conv.session)
-        if decision["replica"] == victim.id:
+        # A prompt the survivor holds nothing of: routed by session affinity.
+        conv = Conversation.new(stack.model, f"back-{uuid.uuid4().hex[:4]}", shared_system=False)
+        route = stack.router.debug_route(stack.model, conv.next_messages(QUESTIONS[0]),
+                                         conv.session)
+        if route["replica"] == victim.id:
             back = conv
         else:
-            time.sleep(0.2)
+            time.sleep(0.1)
     assert back is not None, "the restarted replica never became a routing choice"
-    first = send_turn(stack, client, back, QUESTIONS[0])
-    assert first.replica == victim.id
-    wait_indexed(stack, back, QUESTIONS[1])
-    second = send_turn(stack, client, back, QUESTIONS[1])
-    assert second.replica == victim.id and second.predicted == second.cached > 0
+    assert send_turn(stack.router, back, QUESTIONS[0]).replica == victim.id
+    wait_indexed(stack.router, back, QUESTIONS[1], stack.block_size)
+    second = send_turn(stack.router, back, QUESTIONS[1])
+    assert second.replica == victim.id
+    assert second.predicted == second.cached >= full_blocks(
+        back.turns[0].prompt_tokens, stack.block_size
+    ) > 0
