@@ -167,15 +167,19 @@ class RemoteRenderer:
             raise InvalidPrompt("Either prompt or prompt_embeds must be provided.", param="prompt")
         return out
 
-    async def tokenize(self, replica_url: str, payload: Mapping[str, Any]) -> list[int]:
-        """``POST /tokenize`` with ``payload`` (cached); the parity checker uses it."""
-        (ids,) = await self._call(replica_url, "/tokenize", dict(payload))
+    async def tokenize(
+        self, replica_url: str, payload: Mapping[str, Any], *, use_cache: bool = True
+    ) -> list[int]:
+        """``POST /tokenize`` with ``payload``; the parity checker bypasses the cache."""
+        (ids,) = await self._call(replica_url, "/tokenize", dict(payload), use_cache=use_cache)
         return ids
 
-    async def _call(self, base: str, path: str, payload: dict[str, Any]) -> list[list[int]]:
+    async def _call(
+        self, base: str, path: str, payload: dict[str, Any], *, use_cache: bool = True
+    ) -> list[list[int]]:
         raw = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
         key = xxhash.xxh3_64_intdigest(path.encode() + b"\x00" + raw)
-        cached = self._cache.get(key)
+        cached = self._cache.get(key) if use_cache else None
         if cached is not None:
             self._cache.move_to_end(key)
             self.stats.cache_hits += 1
