@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,3 +51,22 @@ def chat(stream: bool = False, **extra: Any) -> dict[str, Any]:
                             "stream": stream}
     body.update(extra)
     return body
+
+
+async def measure_ttfb(client: aiohttp.ClientSession, direct_url: str, router_url: str,
+                       body: bytes, tries: int = 5) -> tuple[float, float, float]:
+    """Best-of-``tries`` time to first body byte, direct and routed, and the best
+    routed gap between the response headers and the first body byte."""
+
+    async def once(base: str) -> tuple[float, float]:
+        t0 = time.monotonic()
+        async with client.post(base + "/v1/chat/completions", data=body) as resp:
+            t_headers = time.monotonic()
+            await resp.content.readany()
+            t_first = time.monotonic()
+            await resp.read()
+        return t_first - t0, t_first - t_headers
+
+    direct = min([(await once(direct_url))[0] for _ in range(tries)])
+    routed_runs = [await once(router_url) for _ in range(tries)]
+    return direct, min(r[0] for r in routed_runs), min(r[1] for r in routed_runs)

@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 
 from tests.router.conftest import StartFakes, StartRouter
-from tests.router.helpers import chat, scrape
+from tests.router.helpers import chat, measure_ttfb, scrape
 
 
 async def _raw_stream(client: aiohttp.ClientSession, url: str, body: bytes) -> tuple[bytes, int]:
@@ -68,18 +68,11 @@ async def test_ttfb_through_router_close_to_direct(
     fake.behaviour.chunk_delay_s = 0.05
     url = await start_router([fake])
     body = orjson.dumps(chat(stream=True))
-
-    async def ttfb(base: str) -> float:
-        t0 = time.monotonic()
-        async with client.post(base + "/v1/chat/completions", data=body) as resp:
-            await resp.content.readany()
-            took = time.monotonic() - t0
-            await resp.read()
-        return took
-
-    direct = min([await ttfb(fake.url) for _ in range(5)])
-    routed = min([await ttfb(url) for _ in range(5)])
-    assert routed < direct + 0.02, (routed, direct)
+    direct, routed, gap = await measure_ttfb(client, fake.url, url, body)
+    # A Nagle stall holds the body ~40 ms behind the headers; scheduling noise on a busy
+    # box is absorbed by taking the best of several tries.
+    assert gap < 0.01, gap
+    assert routed < direct + 0.03, (routed, direct)
 
 
 async def test_non_streaming(fakes: StartFakes, start_router: StartRouter,

@@ -1,0 +1,178 @@
+"""``kvroute serve``: help, start-up validation, and the real process (uvloop, httptools)
+under SIGTERM: in-flight streams finish within the grace period, or are cut at its end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from kvroute.cli import main
+from tests.router.conftest import StartFakes
+from tests.router.helpers import chat, measure_ttfb
+from tests.router.server import free_port
+
+
+def test_kvroute_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "serve" in capsys.readouterr().out
+
+
+def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--host", "--port", "--replica", "--config", "--policy", "--log-level",
+                   "KVROUTE_"):
+        assert option in out
+    assert out.count("URL") >= 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--replica", "ftp://nope"], {}, "replicas.0.url"),
+        (["--replica", "http://127.0.0.1:1", "--policy", "nope"], {}, "policy"),
+        (["--replica", "http://127.0.0.1:1"], {"KVROUTE_TIMEOUTS__CONNECT_S": "x"},
+         "timeouts.connect_s"),
+        ([], {}, "replicas"),
+    ],
+)
+def test_serve_rejects_bad_config(argv: list[str], env: dict[str, str], needle: str,
+                                  capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("KVROUTE_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "kvroute serve:" in err
+
+
+def test_serve_rejects_bad_config_file(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("replicas:\n  - url: http://127.0.0.1:1\nhealth:\n  interval_s: 0\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "health.interval_s" in err and str(cfg) in err
+
+
+@contextmanager
+def _serve_process(replica: str, port: int, grace_s: int) -> Iterator[subprocess.Popen[bytes]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    env.update({"KVROUTE_TIMEOUTS__SHUTDOWN_GRACE_S": str(grace_s),
+                "KVROUTE_HEALTH__INTERVAL_S": "0.2"})
+    kvroute = os.path.join(os.path.dirname(sys.executable), "kvroute")
+    proc = subprocess.Popen(
+        [kvroute, "serve", "--host", "127.0.0.1", "--port", str(port), "--replica", replica,
+         "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@asynccontextmanager
+async def _ready(client: aiohttp.ClientSession, url: str,
+                 proc: subprocess.Popen[bytes]) -> AsyncIterator[None]:
+    deadline = time.monotonic() + 15
+    while True:
+        assert proc.poll() is None, "kvroute serve exited"
+        try:
+            async with client.get(url + "/ready") as resp:
+                if resp.status == 200:
+                    break
+        except aiohttp.ClientError:
+            pass
+        assert time.monotonic() < deadline, "kvroute serve did not become ready"
+        await asyncio.sleep(0.05)
+    yield
+
+
+async def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> float:
+    t0 = time.monotonic()
+    while proc.poll() is None:
+        assert time.monotonic() - t0 < timeout, "kvroute serve did not exit"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+async def test_sigterm_lets_streams_finish(fakes: StartFakes,
+                                           client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    fake.behaviour.chunks = 10
+    fake.behaviour.chunk_delay_s = 0.1
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _serve_process(fake.url, port, grace_s=10) as proc:
+        async with _ready(client, url, proc):
+            # time to first streamed byte through the real server (uvloop) vs direct
+            body = orjson.dumps(chat(stream=True))
+            fake.behaviour.chunks = 1
+            direct, routed, gap = await measure_ttfb(client, fake.url, url, body)
+            assert gap < 0.01, gap
+            assert routed < direct + 0.03, (routed, direct)
+            fake.behaviour.chunks = 10
+            async with client.post(url + "/v1/chat/completions", data=body) as resp:
+                first = await resp.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                # no longer accepting
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    async with aiohttp.ClientSession() as fresh:
+                        await fresh.get(url + "/health")
+                rest = await resp.read()
+            data = first + rest
+            assert data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 12
+            took = await _wait_exit(proc, 5)
+            assert took < 2
+            assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+
+
+async def test_sigterm_cancels_streams_after_grace(fakes: StartFakes,
+                                                  client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    fake.behaviour.chunks = 100
+    fake.behaviour.chunk_delay_s = 0.1
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with _serve_process(fake.url, port, grace_s=1) as proc:
+        async with _ready(client, url, proc):
+            async with client.post(url + "/v1/chat/completions", json=chat(stream=True)) as resp:
+                await resp.content.readuntil(b"\n\n")
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+                cut_after = time.monotonic() - t0
+            assert 0.9 < cut_after < 3
+            await _wait_exit(proc, 5)
+            assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    seen = fake.completions()[-1]
+    deadline = time.monotonic() + 2
+    while seen.ended is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert seen.cancelled
+
