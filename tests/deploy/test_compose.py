@@ -10,8 +10,8 @@ without a Docker engine.
 * Every kvroute command line in it parses with kvroute's real parser; every vLLM command
   line carries the flags kvroute relies on (vLLM's own parser checks them in the e2e step,
   ``tests/e2e/test_router_e2e.py``, where the vLLM environment exists).
-* The router config the routers mount loads with ``RouterSettings`` and names replicas,
-  ports and event endpoints that the compose file really provides.
+* Each profile's router config loads with ``RouterSettings`` and names the replicas,
+  ports, event endpoints, model name, block size and tokenizer its replicas really use.
 * Prometheus scrapes every router and replica at the port it listens on.
 """
 
@@ -34,6 +34,7 @@ from router.config import RouterSettings
 VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
 """The vLLM release ``docs/vllm-interfaces.md`` is written against."""
 REPLICA_ALIASES = {"replica-a", "replica-b"}
+ROUTER_NAMES = {"router-1", "router-2"}
 ROUTER_CONFIG_MOUNT = "/etc/kvroute/router.yaml"
 
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
@@ -267,47 +268,98 @@ def test_kvroute_healthchecks_probe_the_port_the_service_listens_on(
         assert url.port == listen_port(svc), name
 
 
-def test_two_routers_share_one_redis_index(
+def routers_by_profile(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """``{profile: {network name: service name}}`` for the ``kvroute serve`` services."""
+    out: dict[str, dict[str, str]] = {}
+    for name, svc in services.items():
+        if is_kvroute(svc) and command(svc)[0] == "serve":
+            prof = profile(svc)
+            assert prof is not None, f"router {name} must belong to a profile"
+            for host in ({name} | aliases(svc)) & ROUTER_NAMES:
+                assert host not in out.setdefault(prof, {}), f"two {host} in profile {prof}"
+                out[prof][host] = name
+    return out
+
+
+def router_config_of(service: dict[str, Any], repo: Path) -> tuple[str, RouterSettings]:
+    """The config file a router service mounts, and its settings as the router loads them."""
+    assert flag(command(service), "--config") == ROUTER_CONFIG_MOUNT
+    mounts = [v for v in service["volumes"] if v.endswith(f":{ROUTER_CONFIG_MOUNT}:ro")]
+    assert len(mounts) == 1, service["volumes"]
+    source = mounts[0].split(":", 1)[0]
+    return source, RouterSettings.load(config_file=repo / source, env={})
+
+
+def test_each_profile_has_two_routers_sharing_one_redis_index(
     services: dict[str, dict[str, Any]], repo: Path
 ) -> None:
-    routers = {n: s for n, s in services.items() if is_kvroute(s) and command(s)[0] == "serve"}
-    assert len(routers) >= 2
-    for name, svc in routers.items():
-        assert flag(command(svc), "--config") == ROUTER_CONFIG_MOUNT, name
-        assert f"./deploy/router.yaml:{ROUTER_CONFIG_MOUNT}:ro" in svc["volumes"], name
-        assert svc["depends_on"]["redis"]["condition"] == "service_healthy", name
     redis_cmd = command(services["redis"])
     assert flag(redis_cmd, "--maxmemory-policy") == "volatile-lru", "index keys carry TTLs"
-    settings = RouterSettings.load(config_file=repo / "deploy/router.yaml", env={})
-    assert settings.index.backend == "redis"
-    url = urlsplit(settings.index.url)
-    assert url.hostname in services and url.hostname == "redis"
-    assert url.port in (None, 6379)
+    by_profile = routers_by_profile(services)
+    assert set(by_profile) == {"gpu", "sim"}
+    for prof, members in by_profile.items():
+        assert set(members) == ROUTER_NAMES, prof
+        configs = {router_config_of(services[n], repo)[0] for n in members.values()}
+        assert len(configs) == 1, f"{prof}: the routers must share one config: {configs}"
+        for name in members.values():
+            svc = services[name]
+            deps = svc["depends_on"]
+            assert deps["redis"]["condition"] == "service_healthy", name
+            replicas = replicas_by_profile(services)[prof].values()
+            assert all(deps[r]["condition"] == "service_healthy" for r in replicas), name
+            settings = router_config_of(svc, repo)[1]
+            assert settings.policy == "kv", name
+            assert settings.index.backend == "redis", name
+            url = urlsplit(settings.index.url)
+            assert url.hostname == "redis" and url.port in (None, 6379), name
+            assert settings.index.key_prefix == "kvroute:", "one namespace for all routers"
 
 
-def test_router_config_names_what_the_stack_provides(
+def test_router_configs_name_what_their_profile_provides(
     services: dict[str, dict[str, Any]], repo: Path
 ) -> None:
-    settings = RouterSettings.load(config_file=repo / "deploy/router.yaml", env={})
-    by_profile = replicas_by_profile(services)
-    assert {r.id for r in settings.replicas} == REPLICA_ALIASES
-    for replica in settings.replicas:
-        url = urlsplit(replica.url)
-        assert url.hostname == replica.id, "the replica id is its compose alias"
-        for prof, members in by_profile.items():
-            svc = services[members[replica.id]]
+    replicas = replicas_by_profile(services)
+    for prof, members in routers_by_profile(services).items():
+        router = services[next(iter(members.values()))]
+        _, settings = router_config_of(router, repo)
+        assert {r.id for r in settings.replicas} == REPLICA_ALIASES, prof
+        (model,) = settings.scoring.models
+        for replica in settings.replicas:
+            url = urlsplit(replica.url)
+            assert url.hostname == replica.id, "the replica id is its compose alias"
+            svc = services[replicas[prof][replica.id]]
+            argv = command(svc)
             assert url.port == listen_port(svc), (prof, replica.id)
-        gpu = services[by_profile["gpu"][replica.id]]
-        cfg = kv_events(gpu)
-        assert replica.kv_events_endpoint == f"tcp://{replica.id}:{bound_port(cfg['endpoint'])}"
-        assert replica.replay_endpoint == (
-            f"tcp://{replica.id}:{bound_port(cfg['replay_endpoint'])}"
-        )
-        sim = command(services[by_profile["sim"][replica.id]])
-        events, replay = flag(sim, "--kv-events-endpoint"), flag(sim, "--replay-endpoint")
-        assert events is not None and replay is not None, "the sim's endpoints are fixed"
-        assert replica.kv_events_endpoint == f"tcp://{replica.id}:{bound_port(events)}"
-        assert replica.replay_endpoint == f"tcp://{replica.id}:{bound_port(replay)}"
+            if is_vllm(svc):
+                cfg = kv_events(svc)
+                events, replay = cfg["endpoint"], cfg["replay_endpoint"]
+                assert model.name == flag(argv, "--served-model-name"), prof
+                assert model.max_model_len == int(flag(argv, "--max-model-len") or 0), prof
+                assert model.tokenizer == argv[0], "the tokenizer of the served model"
+            else:
+                events = flag(argv, "--kv-events-endpoint")
+                replay = flag(argv, "--replay-endpoint")
+                assert events is not None and replay is not None, "fixed endpoints"
+                assert model.name == flag(argv, "--model"), prof
+                assert model.tokenizer == flag(argv, "--tokenizer"), prof
+            assert model.block_size == int(flag(argv, "--block-size") or 0), (prof, "block size")
+            assert replica.kv_events_endpoint == f"tcp://{replica.id}:{bound_port(events)}"
+            assert replica.replay_endpoint == f"tcp://{replica.id}:{bound_port(replay)}"
+
+
+def test_routers_can_read_their_tokenizers(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        if not (is_kvroute(svc) and command(svc)[0] == "serve"):
+            continue
+        volumes = svc["volumes"]
+        if profile(svc) == "gpu":
+            assert "hf-cache:/home/kvroute/.cache/huggingface:ro" in volumes, name
+        else:
+            assert "models:/models:ro" in volumes, name
+    writer = services["tiny-model"]
+    assert command(writer)[:2] == ["replica", "tiny-model"]
+    assert flag(command(writer), "--out") == "/models/tiny-llama"
+    assert "models:/models" in writer["volumes"]
 
 
 def test_published_ports_are_loopback_only(services: dict[str, dict[str, Any]]) -> None:
@@ -366,5 +418,4 @@ def test_prometheus_scrapes_every_router_and_replica(
                 for svc in names[host]:
                     assert int(port) == listen_port(svc), f"{target} is not where {host} listens"
                 scraped.add(host)
-    routers = {n for n, s in services.items() if is_kvroute(s) and command(s)[0] == "serve"}
-    assert scraped >= routers | REPLICA_ALIASES, scraped
+    assert scraped >= ROUTER_NAMES | REPLICA_ALIASES, scraped
