@@ -26,6 +26,7 @@ def test_find_horizon_by_cached_tokens_then_by_ttft() -> None:
     assert find_horizon(never) == (None, 10, "cached_tokens")
 
 
+@pytest.mark.slow
 async def test_probe_finds_the_horizon_of_a_simulated_replica(llama3_dir: Path) -> None:
     tok = Tokenizer.from_file(str(llama3_dir / "tokenizer.json"))
     tpw = tokens_per_word(lambda s: tok.encode(s, add_special_tokens=False).ids)

@@ -1,0 +1,86 @@
+"""The fleet stops every process it started, on errors and on cancellation; a tiny demo
+runs end to end (real ``kvroute sim`` replicas and ``kvroute serve`` as children)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.demo import DemoOptions, render_result, run_demo
+from bench.fleet import Fleet, FleetError, FleetSpec
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+async def test_fleet_cleans_up_on_error_and_on_cancel(llama3_dir: Path) -> None:
+    spec = FleetSpec(tokenizer=llama3_dir, replicas=1, num_blocks=128, time_scale=0.05)
+    pids: list[int] = []
+    with pytest.raises(RuntimeError, match="boom"):
+        async with Fleet(spec) as fleet:
+            assert fleet.router_url is not None and len(fleet.replica_urls) == 1
+            pids = fleet.pids
+            assert len(pids) == 2 and all(alive(p) for p in pids)
+            raise RuntimeError("boom")
+    assert pids and not any(alive(p) for p in pids)
+
+    started = asyncio.Event()
+    seen: list[int] = []
+
+    async def hold() -> None:
+        async with Fleet(FleetSpec(tokenizer=llama3_dir, replicas=1, router=False)) as f:
+            seen.extend(f.pids)
+            started.set()
+            await asyncio.sleep(60)
+
+    task = asyncio.create_task(hold())
+    await asyncio.wait_for(started.wait(), 60)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen and not any(alive(p) for p in seen)
+
+
+async def test_a_replica_that_cannot_start_is_reported(tmp_path: Path) -> None:
+    spec = FleetSpec(tokenizer=tmp_path / "missing", replicas=1, router=False)
+    with pytest.raises(FleetError, match="replica0"):
+        async with Fleet(spec):
+            pass
+
+
+@pytest.mark.slow
+async def test_tiny_demo_end_to_end(tmp_path: Path, llama3_dir: Path) -> None:
+    out = tmp_path / "demo"
+    shutil.copytree(llama3_dir, out / "tiny-model")
+    opts = DemoOptions(
+        out=out, replicas=2, policies=("round_robin", "kv"), sessions=4, turns=3,
+        system_tokens=200, user_tokens=30, reply_tokens=60, tenants=2, arrival_rate=2.0,
+        think_median_s=1.0, think_tail_median_s=4.0, num_blocks=256, time_scale=0.05,
+        max_tokens=4, progress=False,
+    )
+    result = await run_demo(opts, say=lambda _: None)
+    text = render_result(result)
+    assert [s.name for s in result.summaries] == ["round_robin", "kv"], text
+    rr, kv = result.summaries
+    assert rr.requests == kv.requests == 12 and rr.errors == kv.errors == 0, text
+    assert kv.ttft_source == "simulated" and kv.ttft_p50 is not None
+    assert result.oracle is not None and result.oracle.oracle_saved > 0
+    # the same prompts go through both policies; the KV-aware one keeps conversations
+    assert rr.prompt_tokens == kv.prompt_tokens
+    assert kv.cached_share >= rr.cached_share and kv.stay_share == 1.0, text
+    doc = json.loads((out / "summary.json").read_text())
+    assert {r["name"] for r in doc["runs"]} == {"round_robin", "kv"}
+    for name in ("ttft-distribution.png", "ttft-by-turn.png", "results.jsonl", "trace.jsonl"):
+        assert (out / name).stat().st_size > 0
+    assert "oracle" in text and "kv" in text
