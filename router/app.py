@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.config import ConfigError, RouterSettings
+from router.debug import debug_route
 from router.errors import RouterError, to_response
 from router.health import HealthProber
 from router.load import LoadTracker
@@ -165,6 +166,7 @@ def create_app(
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/debug/route", debug_route, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
                      exception_handlers={RouterError: router_error})

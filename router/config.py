@@ -302,7 +302,7 @@ class RouterSettings(BaseSettings):
     """uvicorn access log (off: one log line per request costs throughput)."""
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     """The upstream replicas (at least one)."""
-    policy: str = "round_robin"
+    policy: str = "kv"
     """Default routing policy (a name in the policy registry)."""
     policy_header: str = "X-KVRoute-Policy"
     """Request header that selects another registered policy for one request."""

@@ -98,16 +98,23 @@ class Service:
 
 def builtin_policy_factories() -> dict[str, PolicyFactory]:
     """The policies ``kvroute serve`` knows by name."""
+    from router.kv_services import kv_factory, session_factory  # imports router.plugins
+
     return {
         "round_robin": RoundRobin.factory,
         "least_loaded": LeastLoaded.factory,
         "random": RandomPolicy.factory,
+        "session": session_factory,
+        "kv": kv_factory,
     }
 
 
 def builtin_services(settings: RouterSettings) -> list[Service]:
-    """The services ``kvroute serve`` starts (none yet; the KV index adds itself here)."""
-    return []
+    """The services ``kvroute serve`` starts: the KV routing stack (renderers, index,
+    KV-event ingestion, ``/metrics`` scraper), used by the ``kv`` policy."""
+    from router.kv_services import kv_service  # imports router.plugins
+
+    return [kv_service()]
 
 
 class PolicyRegistry:

@@ -17,7 +17,9 @@ FAST_HEALTH = {"interval_s": 0.05, "fails_to_down": 2, "successes_to_up": 2}
 
 def router_settings(replicas: Sequence[FakeReplica | str], **overrides: Any) -> RouterSettings:
     urls = [r if isinstance(r, str) else r.url for r in replicas]
-    data: dict[str, Any] = {"replicas": [{"url": u} for u in urls], "health": dict(FAST_HEALTH)}
+    # These tests exercise the proxy; the default ``kv`` policy is tested on its own.
+    data: dict[str, Any] = {"replicas": [{"url": u} for u in urls], "health": dict(FAST_HEALTH),
+                            "policy": "round_robin"}
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}

@@ -16,7 +16,7 @@ URL = "http://127.0.0.1:9001"
 def test_defaults_and_replica_id() -> None:
     s = RouterSettings.load(env={}, cli={"replicas": [{"url": URL + "/"}]})
     assert s.replicas[0].url == URL and s.replicas[0].id == "127.0.0.1:9001"
-    assert s.policy == "round_robin" and s.policy_header == "X-KVRoute-Policy"
+    assert s.policy == "kv" and s.policy_header == "X-KVRoute-Policy"
     assert s.index.backend == "memory"
     assert RouterSettings.load(env={}, cli={"replicas": [{"url": "http://h"}]}).replicas[0].id \
         == "h:80"

@@ -1,0 +1,268 @@
+"""Wiring of the KV-aware routing into the app: services and policy factories.
+
+Registered through ``router.plugins`` (no proxy change):
+
+* service ``kv`` (``start_kv``): builds, in order, the renderers (``index`` registry of
+  ``scoring.models``, with a replica ``/tokenize`` fallback), the KV index (``memory`` or
+  ``redis`` per ``settings.index``), the KV-event ingestion for every replica with a
+  ``kv_events_endpoint`` (one owned task; its ``BlockStored`` counts also feed the
+  eviction-horizon estimator), and the ``/metrics`` scraper (one owned task; its samples
+  feed the load terms and the horizon).  It yields a ``KvServices``; teardown closes the
+  index after the tasks are cancelled.
+* policy ``kv`` (``kv_factory``) and policy ``session`` (``session_factory``).
+
+``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
+a request that cannot be rendered exactly (``RenderError`` of any kind) has no prompt,
+and the policy falls back to affinity; the replica still gets the request and answers
+for itself (a malformed request is the replica's 400 to give, not the router's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from index.ingest import BatchResult
+from index.ingestion import KVEventIngestion, SourceSpec
+from index.memory import InMemoryIndex
+from index.prompt import Prompt
+from index.redis_store import RedisIndex
+from index.remote_render import RemoteRenderer
+from index.render_errors import RenderError
+from index.renderer_registry import ModelSpec, RendererRegistry
+from index.status import SourceStatus
+from index.store import KVIndex
+from index.types import ReplicaId
+from router.config import RouterSettings, ScoringSettings
+from router.horizon import HorizonEstimator, PoolSample
+from router.kv_policy import KvConfig, KvPolicy
+from router.plugins import PolicyContext, Service
+from router.policy import RouteRequest
+from router.scoring import CostModel, ScoringWeights
+from router.scrape import MetricsScraper, ScrapeSample
+from router.session_policy import SessionPolicy
+
+__all__ = [
+    "KvServices",
+    "RegistryPrompts",
+    "kv_config",
+    "kv_factory",
+    "kv_service",
+    "session_factory",
+    "start_kv",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class RegistryPrompts:
+    """``PromptSource`` over an ``index`` renderer registry."""
+
+    def __init__(self, registry: RendererRegistry, *, remote: bool = True) -> None:
+        self.registry = registry
+        self._remote = remote
+
+    async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
+        """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
+        body = request.body
+        if body is None or body.get("model") not in self.registry:
+            return None
+        url = replica_url if self._remote else None
+        try:
+            if request.endpoint == "chat":
+                return await self.registry.chat(body, replica_url=url)
+            if request.endpoint == "completions":
+                prompts = await self.registry.completion(body, replica_url=url)
+                return prompts[0] if prompts else None
+        except RenderError as exc:
+            _log.debug("no prompt for request %s: %r", request.request_id, exc)
+        return None
+
+
+@dataclass(slots=True)
+class KvServices:
+    """What the ``kv`` service yields: shared by the ``kv`` policy and ``/debug/route``."""
+
+    prompts: RegistryPrompts
+    index: KVIndex
+    horizon: HorizonEstimator
+    scraper: MetricsScraper | None
+    ingestion: KVEventIngestion | None
+
+    def status(self, replica: ReplicaId) -> SourceStatus | None:
+        """The event-source snapshot of ``replica``, if it has a source."""
+        return self.ingestion.status(replica) if self.ingestion is not None else None
+
+
+class _HorizonObserver:
+    """Feeds ``BlockStored`` counts into the horizon estimator (``IngestObserver``)."""
+
+    def __init__(self, horizon: HorizonEstimator, ctx: PolicyContext) -> None:
+        self._horizon = horizon
+        self._clock = ctx.clock
+
+    def batch_applied(self, replica: ReplicaId, result: BatchResult) -> None:
+        if result.blocks_stored:
+            self._horizon.observe_allocated(replica, self._clock(), result.blocks_stored)
+
+    def gap(self, replica: ReplicaId) -> None:
+        """Counted by the source status."""
+
+    def dropped(self, replica: ReplicaId, reason: str, count: int = 1) -> None:
+        """Counted by the source status."""
+
+    def resync(self, replica: ReplicaId, reason: str) -> None:
+        """Counted by the source status."""
+
+
+def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
+    return [
+        ModelSpec(
+            name=m.name, block_size=m.block_size, tokenizer=m.tokenizer,
+            chat_template=m.chat_template, content_format=m.content_format,
+            default_chat_template_kwargs=dict(m.default_chat_template_kwargs),
+            max_model_len=m.max_model_len, loras=tuple(m.loras),
+        )
+        for m in s.models
+    ]
+
+
+def _index(settings: RouterSettings) -> KVIndex:
+    ix = settings.index
+    if ix.backend == "redis":
+        return RedisIndex.from_url(ix.url, op_timeout_s=ix.op_timeout_s, key_prefix=ix.key_prefix)
+    return InMemoryIndex()
+
+
+def _sources(settings: RouterSettings) -> list[SourceSpec]:
+    default_model = settings.scoring.models[0].name if settings.scoring.models else None
+    specs = []
+    for r in settings.replicas:
+        if r.kv_events_endpoint is None:
+            continue
+        model = r.models[0] if r.models else default_model
+        specs.append(SourceSpec(
+            replica=ReplicaId(r.id), model=model, url=r.url,
+            endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint,
+        ))
+    return specs
+
+
+@asynccontextmanager
+async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
+    """Build renderers, index, ingestion and scraper (see the module docstring)."""
+    s = ctx.settings.scoring
+    remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
+    registry = RendererRegistry(_model_specs(s), remote=remote)
+    prompts = RegistryPrompts(registry, remote=s.remote_render)
+    horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
+    index = _index(ctx.settings)
+    try:
+        ingestion = None
+        specs = _sources(ctx.settings)
+        if specs:
+            ingestion = KVEventIngestion(index, specs, http=ctx.http,
+                                         observer=_HorizonObserver(horizon, ctx))
+            ctx.tasks.spawn(ingestion.run(), name="kv-events")
+        scraper = None
+        if s.scrape.enabled:
+            replicas = ctx.replicas
+            scraper = MetricsScraper(
+                ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
+                clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
+                stale_after_s=s.scrape.stale_after_s,
+            )
+            scraper.add_listener(_pool_listener(horizon))
+            ctx.tasks.spawn(scraper.run(), name="kv-scrape")
+        yield KvServices(prompts, index, horizon, scraper, ingestion)
+    finally:
+        await index.aclose()
+
+
+def _pool_listener(horizon: HorizonEstimator) -> Callable[[ReplicaId, ScrapeSample], None]:
+    def on_sample(replica: ReplicaId, sample: ScrapeSample) -> None:
+        horizon.observe_scrape(replica, PoolSample(
+            t=sample.t, block_size=sample.block_size, num_gpu_blocks=sample.num_gpu_blocks,
+            kv_usage=sample.kv_usage,
+            computed_prompt_tokens_total=sample.computed_prompt_tokens_total,
+            generation_tokens_total=sample.generation_tokens_total,
+        ))
+    return on_sample
+
+
+def kv_service() -> Service:
+    """The ``kv`` service for ``router.plugins.builtin_services``."""
+    return Service("kv", start_kv)
+
+
+def kv_config(s: ScoringSettings) -> KvConfig:
+    """The policy's copy of the scoring settings."""
+    return KvConfig(
+        weights=ScoringWeights(
+            alpha=s.alpha, beta=s.beta, gamma=s.gamma, horizon_spread=s.horizon_spread,
+            disconnected_trust=s.disconnected_trust, gap_trust=s.gap_trust,
+            gap_window_s=s.gap_window_s, reset_trust=s.reset_trust,
+            reset_window_s=s.reset_window_s,
+        ),
+        costs=CostModel(
+            kv_bytes_per_token=s.kv_bytes_per_token, prefill_tokens_per_s=s.prefill_tokens_per_s,
+            cpu_bandwidth_bytes_per_s=s.cpu_bandwidth_bytes_per_s,
+            storage_bandwidth_bytes_per_s=s.storage_bandwidth_bytes_per_s,
+        ),
+        min_hit_tokens=s.min_hit_tokens,
+        temperature=s.temperature,
+        foreign_prefill_tokens_per_request=s.foreign_prefill_tokens_per_request,
+        balance_abs_tokens=s.balance_abs_tokens,
+        balance_rel=s.balance_rel,
+        affinity_prefix_blocks=s.affinity_prefix_blocks,
+        detect_prefix_breaks=s.detect_prefix_breaks,
+        receipt_large_abs_tokens=s.receipt_large_abs_tokens,
+        receipt_large_rel=s.receipt_large_rel,
+    )
+
+
+def kv_factory(ctx: PolicyContext) -> KvPolicy:
+    """Build the ``kv`` policy (needs the ``kv`` service)."""
+    from router.affinity import AffinityRing
+    from router.provisional import ProvisionalBlocks
+    from router.receipts import ReceiptCalibration
+    from router.session_table import SessionTable
+
+    svc: KvServices = ctx.services["kv"]
+    s = ctx.settings.scoring
+    replicas = ctx.replicas
+
+    def url(replica: ReplicaId) -> str | None:
+        return replicas[replica].url
+
+    policy = KvPolicy(
+        prompts=svc.prompts,
+        index=svc.index,
+        load=ctx.load,
+        replica_url=url,
+        statuses=svc.status,
+        scraper=svc.scraper,
+        horizon=svc.horizon,
+        metrics=ctx.metrics.kv,
+        config=kv_config(s),
+        ring=AffinityRing(vnodes=s.affinity_vnodes),
+        provisional=ProvisionalBlocks(ttl_s=s.provisional_ttl_s, max_keys=s.provisional_max_keys),
+        sessions=SessionTable(max_sessions=s.max_sessions, max_token_bytes=s.session_token_bytes),
+        calibration=ReceiptCalibration(weight=s.receipt_trust_weight,
+                                       floor=s.receipt_trust_floor),
+        clock=ctx.clock,
+        rng=ctx.rng,
+    )
+    ctx.metrics.kv.bind_state(policy)
+    return policy
+
+
+def session_factory(ctx: PolicyContext) -> SessionPolicy:
+    """Build the ``session`` policy."""
+    from router.affinity import AffinityRing
+
+    s = ctx.settings.scoring
+    return SessionPolicy(ring=AffinityRing(vnodes=s.affinity_vnodes), metrics=ctx.metrics.kv,
+                         clock=ctx.clock)
