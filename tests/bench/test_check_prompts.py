@@ -176,3 +176,49 @@ def test_transcript_file_json_and_table(tmp_path: Path, checker: Checker) -> Non
     json.dumps(doc)
     table = format_table(reports, 16)
     assert "dynamic_prefix" in table and "1 of 4 turns" in table
+
+
+def test_command_line(tmp_path: Path, llama3_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvroute.cli import main
+
+    path = tmp_path / "t.jsonl"
+    rows = [msgs(1), msgs(2), msgs(3, system="Session id 4242. " + SYSTEM)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "report.json"
+    assert main(["check-prompts", str(path), "--tokenizer", str(llama3_dir),
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "dynamic_prefix" in printed and "1 of 3 turns" in printed
+    doc = json.loads(out.read_text())
+    turns = doc["sessions"][0]["turns"]
+    assert [t["flagged"] for t in turns] == [False, False, True]
+    assert turns[2]["divergence"]["message_index"] == 0
+
+
+@pytest.mark.slow
+async def test_a_replica_tokenize_endpoint_renders_the_same(
+    llama3_dir: Path, chat_tokenizer: ChatTokenizer
+) -> None:
+    import asyncio
+
+    from bench.check_prompts import HttpChatTokenizer
+    from bench.fleet import Fleet, FleetSpec
+
+    spec = FleetSpec(tokenizer=llama3_dir, replicas=1, router=False, num_blocks=256)
+    async with Fleet(spec) as fleet:
+        remote = HttpChatTokenizer(fleet.url, spec.model)
+        seq = turns([msgs(1), msgs(2), msgs(3, system="Now 12:00. " + SYSTEM)])
+        local_report = Checker(chat_tokenizer).check_session(seq)
+        remote_report = await asyncio.to_thread(Checker(remote).check_session, seq)
+        ids = await asyncio.to_thread(remote.render, msgs(2))
+    assert ids == chat_tokenizer.render(msgs(2))
+
+    def essentials(report: Any) -> list[Any]:
+        # decoded snippets may differ (a replica's /detokenize may skip special tokens)
+        return [(t.tokens, t.shared, t.reusable_blocks, t.share, t.flagged,
+                 t.divergence and (t.divergence.position, t.divergence.cause,
+                                   t.divergence.message_index)) for t in report.turns]
+
+    assert essentials(local_report) == essentials(remote_report)
+    third = remote_report.turns[2].divergence
+    assert third is not None and third.cause is Cause.DYNAMIC_PREFIX
