@@ -1,0 +1,305 @@
+"""The kv policy's pipeline with real parts: the tiny tokenizer rendered by ``index``'s
+registry, the in-memory index, the router's load tracker, Prometheus metrics."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from index.memory import InMemoryIndex
+from index.prompt import Prompt
+from index.redis_store import RedisIndex
+from index.renderer_registry import ModelSpec, RendererRegistry
+from index.status import SourceStatus
+from index.types import EngineKey, Medium, ReplicaId
+from replica.tiny_tokenizer import build_tokenizer
+from router.kv_policy import KvConfig, KvPolicy
+from router.kv_services import RegistryPrompts
+from router.load import LoadTracker
+from router.metrics import KvMetrics
+from router.policy import Receipt, RouteRequest
+from router.scoring import ScoringWeights
+from tests.router.server import free_port
+
+MODEL = "tiny"
+R = [ReplicaId(f"r{i}") for i in range(4)]
+SYSTEM = "You are a helpful assistant. " + " ".join(f"rule{i} applies here" for i in range(60))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> RendererRegistry:
+    tok = build_tokenizer(tmp_path_factory.mktemp("tok"), template="llama3")
+    return RendererRegistry([ModelSpec(name=MODEL, block_size=16, tokenizer=str(tok))])
+
+
+class Env:
+    def __init__(self, registry: RendererRegistry, **kw: Any) -> None:
+        self.index = kw.pop("index", None) or InMemoryIndex()
+        self.load = LoadTracker(R)
+        self.prom = CollectorRegistry()
+        self.metrics = KvMetrics(self.prom)
+        self.clock = Clock()
+        self.prompts = RegistryPrompts(registry, remote=False)
+        self.policy = KvPolicy(
+            prompts=self.prompts, index=self.index, load=self.load,
+            replica_url=lambda r: None, metrics=self.metrics, clock=self.clock,
+            wall=self.clock, **kw,
+        )
+
+    async def prompt(self, req: RouteRequest) -> Prompt:
+        p = await self.prompts.prompt(req, None)
+        assert p is not None
+        return p
+
+    async def hold(self, replica: ReplicaId, req: RouteRequest, blocks: int | None = None,
+                   medium: Medium = Medium.GPU) -> None:
+        keys = (await self.prompt(req)).block_keys[:blocks]
+        await self.index.add(replica, [EngineKey(k) for k in keys], keys, medium)
+
+    def value(self, name: str, **labels: str) -> float:
+        v = self.prom.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+
+def chat(*turns: str, system: str = SYSTEM, **extra: Any) -> dict[str, Any]:
+    msgs = [{"role": "system", "content": system}]
+    msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+             for i, t in enumerate(turns)]
+    return {"model": MODEL, "messages": msgs, **extra}
+
+
+def req(body: dict[str, Any], session: str | None = None, rid: str = "q") -> RouteRequest:
+    return RouteRequest(rid, "chat", "/v1/chat/completions", MODEL, body, session)
+
+
+async def test_routes_to_the_replica_holding_the_prompt(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    first = req(chat("tell me about blocks"))
+    await env.hold(R[2], first)
+    later = req(chat("tell me about blocks", "they are 16 tokens", "and then?"))
+    prompt = await env.prompt(later)
+    d = await env.policy.route(later, R)
+    assert d.replica == R[2] and d.reason == "kv_hit" and d.want_usage
+    held = len((await env.prompt(first)).block_keys)
+    assert d.predicted_cached_tokens == prompt.expected_cached_tokens(held) == held * 16
+    assert d.prompt_tokens == prompt.num_tokens - held * 16  # what the lease charges
+    assert d.detail["prompt_tokens"] == prompt.num_tokens
+    assert env.value("router_kv_predicted_cached_tokens_total", replica="r2") == held * 16
+
+
+async def test_salted_tenants_never_match_each_other(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    body_a = chat("same question", cache_salt="tenant-a")
+    await env.hold(R[1], req(body_a))
+    a = await env.policy.route(req(chat("same question", "x", "y", cache_salt="tenant-a")), R)
+    b_req = req(chat("same question", "x", "y", cache_salt="tenant-b"))
+    b = await env.policy.decide(b_req, R, commit=False)
+    unsalted = await env.policy.decide(req(chat("same question", "x", "y")), R, commit=False)
+    assert a.replica == R[1] and a.reason == "kv_hit" and a.predicted_cached_tokens
+    assert b.reason == "affinity_no_hit" and b.predicted_cached_tokens == 0
+    assert unsalted.reason == "affinity_no_hit" and unsalted.predicted_cached_tokens == 0
+
+
+async def test_shared_system_prompt_everywhere_spreads_new_conversations(
+    registry: RendererRegistry,
+) -> None:
+    env = Env(registry)
+    shared = req(chat("warm up"))
+    for r in R:
+        await env.hold(r, shared, blocks=len((await env.prompt(shared)).block_keys) - 1)
+    placed: collections.Counter[ReplicaId] = collections.Counter()
+    for u in range(40):  # paced: nothing in flight at decision time
+        d = await env.policy.route(req(chat(f"user {u} asks something new")), R)
+        assert d.reason == "kv_hit" and (d.predicted_cached_tokens or 0) > 200
+        placed[d.replica] += 1
+        env.clock.t += 60  # provisional entries expire between users
+    assert set(placed) == set(R) and max(placed.values()) <= 20, placed
+
+
+async def test_shared_prefix_with_load_goes_to_the_least_loaded(
+    registry: RendererRegistry,
+) -> None:
+    env = Env(registry)
+    shared = req(chat("warm up"))
+    for r in R:
+        await env.hold(r, shared, blocks=20)
+    leases = [env.load.lease(r, 3000) for r in (R[0], R[1], R[3])]
+    for lease in leases:
+        await lease.__aenter__()
+    d = await env.policy.route(req(chat("a new user")), R)
+    assert d.replica == R[2]
+    for lease in leases:
+        lease.release()
+
+
+async def test_overloaded_holder_replicates_a_popular_prefix(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    hot = req(chat("the popular question"))
+    await env.hold(R[0], hot)
+    n_cached = len((await env.prompt(hot)).block_keys) * 16
+    d1 = await env.policy.decide(req(chat("the popular question", "a", "b")), R, commit=False)
+    assert d1.replica == R[0] and d1.reason == "kv_hit"
+    # the holder's queue grows past what the prefix saves: the next one computes it
+    # elsewhere (reason kv_load), and provisional entries make the copy visible
+    lease = env.load.lease(R[0], n_cached + 500)
+    await lease.__aenter__()
+    d2 = await env.policy.route(req(chat("the popular question", "c", "d")), R)
+    assert d2.replica != R[0] and d2.reason == "kv_load"
+    d3 = await env.policy.decide(req(chat("the popular question", "e", "f")), R, commit=False)
+    assert d3.replica == d2.replica and d3.reason == "kv_hit"
+    lease.release()
+
+
+async def test_burst_with_a_new_prefix_goes_together(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    new_system = "A brand new agent prompt. " + " ".join(f"tool{i} does x" for i in range(50))
+    first = await env.policy.route(req(chat("sub-task 0", system=new_system)), R)
+    assert first.reason == "affinity_no_hit"
+    for i in range(1, 6):
+        env.clock.t += 0.01
+        d = await env.policy.route(req(chat(f"sub-task {i}", system=new_system)), R)
+        assert d.replica == first.replica and d.reason == "kv_hit"
+    env.clock.t += 30  # provisional entries expired, no events came: back to affinity
+    late = await env.policy.decide(req(chat("sub-task 9", system=new_system)), R, commit=False)
+    assert late.reason == "affinity_no_hit"
+
+
+async def test_index_down_falls_back_to_affinity(registry: RendererRegistry) -> None:
+    down = RedisIndex.from_url(f"redis://127.0.0.1:{free_port()}/0", op_timeout_s=0.05)
+    try:
+        env = Env(registry, index=down)
+        body = chat("hello there")
+        d1 = await env.policy.route(req(body, session="s1"), R)
+        d2 = await env.policy.route(req(chat("hello there", "a", "b"), session="s1"), R)
+    finally:
+        await down.aclose()
+    assert d1.reason == d2.reason == "affinity_index_down"
+    assert d1.replica == d2.replica == env.policy.ring.first("s1", R)
+    assert d1.predicted_cached_tokens is None
+    assert env.value("router_kv_fallbacks_total", cause="index_down") == 2
+
+
+async def test_no_index_no_prompt_and_overload_escape(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    other = RouteRequest("o", "other", "/v1/embeddings", MODEL, {"input": "x"}, "sess")
+    d = await env.policy.route(other, R)
+    assert d.reason == "affinity_no_prompt" and d.replica == env.policy.ring.first("sess", R)
+    unknown = req({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert (await env.policy.route(unknown, R)).reason == "affinity_no_prompt"
+    pinned = env.policy.ring.first("heavy", R)
+    lease = env.load.lease(pinned, 50_000)
+    await lease.__aenter__()
+    d = await env.policy.route(req(chat("hi"), session="heavy"), R)
+    assert d.reason == "affinity_overload" and d.replica != pinned
+    lease.release()
+
+
+async def test_cpu_blocks_are_discounted_but_still_attract(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    r = req(chat("offloaded conversation", "x", "y"))
+    await env.hold(R[3], req(chat("offloaded conversation")), medium=Medium.CPU)
+    d = await env.policy.decide(r, R, commit=False)
+    assert d.replica == R[3]
+    row = d.detail["replicas"][0]
+    assert row["cpu_blocks"] > 0 and row["gpu_blocks"] == 0
+    assert 0 < row["expected_cached_tokens"] < row["predicted_cached_tokens"]
+
+
+async def test_stale_index_lowers_the_hit_probability(registry: RendererRegistry) -> None:
+    clock_wall = 1000.0
+    statuses = {
+        R[0]: SourceStatus(R[0], MODEL, None, state="degraded", connected=False,
+                           last_receive_wall=clock_wall - 5.0),
+        R[1]: SourceStatus(R[1], MODEL, None, state="live", connected=True, receive_lag_s=0.01),
+    }
+    env = Env(registry, statuses=statuses.get)
+    body = req(chat("question", "a", "b"))
+    for r in R[:2]:
+        await env.hold(r, req(chat("question")))
+    d = await env.policy.decide(body, R, commit=False)
+    rows = {row["replica"]: row for row in d.detail["replicas"]}
+    assert rows["r0"]["p_index"] == 0.5 and rows["r1"]["p_index"] == 1.0
+    assert d.replica == R[1]
+
+
+async def test_receipts_prediction_error_and_calibration(registry: RendererRegistry) -> None:
+    env = Env(registry, config=KvConfig(weights=ScoringWeights()))
+    r = req(chat("receipts please", "a", "b"))
+    await env.hold(R[1], req(chat("receipts please")))
+    d = await env.policy.route(r, R)
+    predicted = d.predicted_cached_tokens
+    assert predicted
+    env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=500, cached_tokens=predicted))
+    env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=500, cached_tokens=0))
+    env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=500, cached_tokens=None))
+    env.policy.record(r, d, Receipt(R[2], True, prompt_tokens=500, cached_tokens=0))  # failover
+    assert env.value("router_receipts_total", replica="r1", outcome="match") == 1
+    assert env.value("router_receipts_total", replica="r1", outcome="over") == 1
+    assert env.value("router_receipts_total", replica="r1", outcome="missing") == 1
+    assert env.value("router_kv_prediction_disagreements_total", replica="r1",
+                     direction="over") == 1
+    assert env.value("router_kv_prediction_error_tokens_bucket", replica="r1", le="0.0") == 2
+    assert env.value("router_kv_prediction_error_tokens_bucket", replica="r1", le="-1.0") == 1
+    assert env.value("router_receipt_prompt_tokens_total", replica="r1",
+                     kind="cached") == predicted
+    assert env.policy.calibration.trust(R[1]) < 1.0
+
+
+async def test_sessions_stickiness_think_time_and_prefix_breaks(
+    registry: RendererRegistry,
+) -> None:
+    env = Env(registry)
+    t1 = req(chat("first question"), session="alice")
+    d1 = await env.policy.route(t1, R)
+    env.clock.t += 1.0
+    env.policy.record(t1, d1, Receipt(d1.replica, True, 100, 0))
+    await env.hold(d1.replica, t1)
+    env.clock.t += 12.0
+    t2 = req(chat("first question", "an answer", "second question"), session="alice")
+    d2 = await env.policy.route(t2, R)
+    assert d2.replica == d1.replica
+    assert env.value("router_session_turns_total", policy="kv", placement="same_replica") == 1
+    assert env.value("router_session_think_time_seconds_count") == 1
+    assert env.value("router_session_think_time_seconds_sum") == pytest.approx(12.0)
+    assert env.value("router_session_returns_total", replica=d1.replica, outcome="unknown") == 1
+    assert env.value("router_prefix_breaks_total", cause="message_edited") == 0
+    # turn 3 rewrites the system prompt (a timestamp): a prefix break at the system message
+    t3 = req(chat("first question", "an answer", "second question", "x", "third",
+                  system=SYSTEM.replace("helpful", "useful")), session="alice")
+    await env.policy.route(t3, R)
+    assert env.value("router_prefix_breaks_total", cause="message_edited") == 1
+    assert env.value("router_prefix_break_lost_tokens_total") > 0
+
+
+async def test_dry_run_changes_nothing(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    r = req(chat("dry"), session="s")
+    d = await env.policy.decide(r, R, commit=False)
+    assert len(env.policy.provisional) == 0 and len(env.policy.sessions) == 0
+    assert d.detail["replicas"][0]["replica"] == d.replica
+    assert {row["replica"] for row in d.detail["replicas"]} == set(R)
+    await env.policy.route(r, R)
+    assert len(env.policy.provisional) > 0 and len(env.policy.sessions) == 1
+
+
+async def test_gauge_rows_report_load_terms(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    env.metrics.bind_state(env.policy)
+    await env.policy.route(req(chat("x")), R)
+    rows: Sequence[tuple[str, str, float]] = list(env.policy.gauge_rows())
+    assert ("router_kv_index_trust", "r0", 1.0) in rows
+    assert env.value("router_kv_load_queued_prefill_tokens", replica="r0") == 0
+    assert env.value("router_route_seconds_count", policy="kv") == 1
+    env.metrics.close()
