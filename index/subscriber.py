@@ -413,10 +413,15 @@ class _Monitor:
         self._on_change = on_change
         self._peers = 0
 
-    async def run(self, sock: zmq.asyncio.Socket) -> None:
-        mon = sock.get_monitor_socket(
+    def attach(self, sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+        """Start monitoring ``sock`` (before it connects or binds, so no event is missed)."""
+        mon: zmq.asyncio.Socket = sock.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         )
+        return mon
+
+    async def run(self, sock: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+        """Follow the monitor's events until cancelled."""
         try:
             while True:
                 frames = await mon.recv_multipart()
@@ -495,7 +500,8 @@ class ConnectSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
             monitor = _Monitor(self.runner.set_connected)
             async with asyncio.TaskGroup() as tg:
-                mon_task = tg.create_task(monitor.run(sub), name=f"kv-monitor-{src.replica}")
+                mon = monitor.attach(sub)
+                mon_task = tg.create_task(monitor.run(sub, mon), name=f"kv-monitor-{src.replica}")
                 sub.connect(src.endpoint)
                 try:
                     if first:
@@ -584,7 +590,8 @@ class BindSubscriber:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = _Monitor(self._connected)
             async with asyncio.TaskGroup() as tg:
-                mon_task = tg.create_task(monitor.run(sub), name="kv-monitor-bound")
+                mon = monitor.attach(sub)
+                mon_task = tg.create_task(monitor.run(sub, mon), name="kv-monitor-bound")
                 sub.bind(self._endpoint)
                 last = sub.getsockopt(zmq.LAST_ENDPOINT)
                 self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
