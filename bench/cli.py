@@ -386,15 +386,17 @@ def _register_probe(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--model", default=None, help="model name (required with --url)")
     p.add_argument("--pauses", default="0,10,30,60,120", help="seconds, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="turn-1 prompt size (default 1024; with --sim 512)")
     p.add_argument("--time-scale", type=float, default=None,
-                   help="wall seconds per probe second (default 1; with --sim 0.02)")
-    p.add_argument("--background-rps", type=float, default=0.0,
-                   help="background requests per second of unique prompts")
+                   help="wall seconds per probe second (default 1; with --sim 0.05)")
+    p.add_argument("--background-rps", type=float, default=None,
+                   help="background requests per second of unique prompts (default 0; "
+                   "with --sim 1)")
     p.add_argument("--background-tokens", type=int, default=512)
-    p.add_argument("--warmup", type=float, default=0.0,
-                   help="seconds of background load before probing")
-    p.add_argument("--num-blocks", type=int, default=1024, help="--sim: KV blocks")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="seconds of background load before probing (default 0; with --sim 60)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="--sim: KV blocks")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     p.set_defaults(func=_probe)
 
@@ -410,9 +412,9 @@ def _probe(args: argparse.Namespace) -> int:
                 raise SystemExit("kvroute probe-horizon: --model is required with --url")
             cfg = ProbeConfig(
                 url=args.url, model=args.model, pauses=pauses, repeats=args.repeats,
-                prompt_tokens=args.prompt_tokens, time_scale=args.time_scale or 1.0,
-                background_rps=args.background_rps,
-                background_tokens=args.background_tokens, warmup_s=args.warmup,
+                prompt_tokens=args.prompt_tokens or 1024, time_scale=args.time_scale or 1.0,
+                background_rps=args.background_rps or 0.0,
+                background_tokens=args.background_tokens, warmup_s=args.warmup or 0.0,
             )
             return await Prober(cfg).run()
         return await _probe_sim(args, pauses)
@@ -431,7 +433,7 @@ async def _probe_sim(args: argparse.Namespace, pauses: tuple[float, ...]) -> Any
     from bench.horizon import ProbeConfig, Prober
     from bench.workload import measure_tokens_per_word
 
-    scale = args.time_scale or 0.02
+    scale = args.time_scale or 0.05
     with tempfile.TemporaryDirectory(prefix="kvroute-probe-") as tmp:
         tok = await build_tokenizer_dir(Path(tmp) / "tiny-model")
         tpw = await asyncio.to_thread(measure_tokens_per_word, tok)
@@ -440,8 +442,10 @@ async def _probe_sim(args: argparse.Namespace, pauses: tuple[float, ...]) -> Any
         async with Fleet(spec) as fleet:
             cfg = ProbeConfig(
                 url=fleet.url, model=spec.model, pauses=pauses, repeats=args.repeats,
-                prompt_tokens=args.prompt_tokens, tokens_per_word=tpw, time_scale=scale,
-                sim_timing=True, background_rps=args.background_rps,
-                background_tokens=args.background_tokens, warmup_s=args.warmup,
+                prompt_tokens=args.prompt_tokens or 512, tokens_per_word=tpw, time_scale=scale,
+                sim_timing=True,
+                background_rps=1.0 if args.background_rps is None else args.background_rps,
+                background_tokens=args.background_tokens,
+                warmup_s=60.0 if args.warmup is None else args.warmup,
             )
             return await Prober(cfg).run()
