@@ -544,17 +544,27 @@ class BindSubscriber:
         self._s = settings or SubscriberSettings()
         self._ctx = ctx
         self._obs = observer
-        self.runners: dict[bytes, SourceRunner] = {
-            topic.encode(): SourceRunner(
-                src, index, ctx, settings=self._s, observer=observer, on_status=on_status
-            )
-            for topic, src in sources.items()
-        }
+        self._index = index
+        self._on_status = on_status
+        self.runners: dict[bytes, SourceRunner] = {}
+        self._pending: list[SourceRunner] = []
+        for topic, src in sources.items():
+            self.add_source(topic, src)
         self.unmapped = 0
         """Messages whose topic maps to no source."""
         self._backoff = backoff or Backoff(self._s.backoff_base_s, self._s.backoff_cap_s)
         self.ready = asyncio.Event()
         """Set once the SUB socket is bound."""
+
+    def add_source(self, topic: str, source: EventSource) -> None:
+        """Map ``topic`` to ``source`` (also while running: it starts on the next message
+        or idle tick, with the usual clear + replay from 0)."""
+        runner = SourceRunner(
+            source, self._index, self._ctx, settings=self._s, observer=self._obs,
+            on_status=self._on_status,
+        )  # fmt: skip
+        self.runners[topic.encode()] = runner
+        self._pending.append(runner)
 
     def statuses(self) -> dict[ReplicaId, SourceStatus]:
         """Snapshots of every mapped source."""
@@ -567,12 +577,10 @@ class BindSubscriber:
     async def run(self) -> None:
         """Receive until cancelled, rebinding with backoff after errors."""
         failures = 0
-        started = False
         try:
             while True:
                 try:
-                    await self._session(first=not started)
-                    started = True
+                    await self._session()
                 except (zmq.ZMQError, OSError) as exc:
                     failures += 1
                     log.warning("bound subscriber %s error: %s", self._endpoint, exc)
@@ -582,7 +590,7 @@ class BindSubscriber:
                 r.set_connected(False)
                 r.set_state("stopped")
 
-    async def _session(self, *, first: bool) -> None:
+    async def _session(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
@@ -597,11 +605,10 @@ class BindSubscriber:
                 self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
                 self.ready.set()
                 try:
-                    if first:
-                        for r in self.runners.values():
-                            await r.start()
                     poll_ms = int(self._s.idle_poll_s * 1000)
                     while True:
+                        while self._pending:
+                            await self._pending.pop(0).start()
                         if not await sub.poll(poll_ms):
                             for r in self.runners.values():
                                 await r.tick()

@@ -307,7 +307,8 @@ async def test_fetch_replay_times_out_on_a_silent_peer() -> None:
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind("tcp://127.0.0.1:0")
-    endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+    raw = router.getsockopt(zmq.LAST_ENDPOINT)
+    endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
     try:
         with pytest.raises(Exception, match="timed out"):
             await fetch_replay(ctx, endpoint, 0, timeout_s=0.1, total_s=1.0)
