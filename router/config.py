@@ -212,6 +212,13 @@ class ScoringSettings(_Section):
     so the score is the prefill ahead of the first token)."""
     gamma: float = Field(default=32.0, ge=0)
     """Prefill tokens one decoding sequence is worth (it shares every batch step)."""
+    delta: float = Field(default=256.0, ge=0)
+    """Prefill tokens one recent new conversation on a replica is worth, for placing new
+    conversations: sticky sessions are future load the queue does not show under paced
+    traffic, so a prefix one replica holds is replicated once the imbalance exceeds
+    about its length / delta sessions (no single-replica hotspot)."""
+    placement_tau_s: float = Field(default=300.0, gt=0)
+    """Decay time of the recent-placements count (about a conversation's lifetime)."""
     min_hit_tokens: int = Field(default=64, ge=0)
     """Below this many expected cached tokens on the best replica, use session affinity
     (four 16-token blocks: less is a chat template's boilerplate, not a conversation)."""

@@ -20,10 +20,12 @@ Algorithm, per request (``KvPolicy.decide``):
    eviction horizon (``router.horizon``) and, for the session's previous replica, how
    long ago the session's blocks were last used.
 4. **Pure scoring** (``router.scoring``): ``score = -alpha * new_tokens - beta *
-   queued_prefill_tokens - gamma * decode_load`` where ``new_tokens`` is the prompt minus
-   the *expected* cached tokens: a sum over usable matched blocks (last prompt token
-   always recomputed) of P(hit) x tier value.  Blocks a second replica also holds (a
-   popular prefix) count as hot.
+   queued_prefill_tokens - gamma * decode_load - delta * placements`` where
+   ``new_tokens`` is the prompt minus the *expected* cached tokens: a sum over usable
+   matched blocks (last prompt token always recomputed) of P(hit) x tier value.  Blocks
+   a second replica also holds (a popular prefix) count as hot.  ``placements`` (new
+   conversations only) is the decaying count of new conversations recently placed on
+   the replica: future load the queue does not show yet under paced traffic.
 5. **Pick**: the best score; exact ties go by the request's consistent-hash ring order,
    so equal replicas (all holding a shared system prompt, no load) still spread new
    conversations.  A popular prefix whose holder is overloaded is computed on a second
@@ -54,6 +56,7 @@ hit), ``kv_load`` (load outweighed a better hit elsewhere), ``affinity_no_hit``,
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -115,6 +118,7 @@ class KvConfig:
     foreign_prefill_tokens_per_request: float = 512.0
     balance_abs_tokens: float = 4096.0
     balance_rel: float = 2.0
+    placement_tau_s: float = 300.0
     affinity_prefix_blocks: int = 8
     detect_prefix_breaks: bool = True
     receipt_large_abs_tokens: int = 64
@@ -199,6 +203,7 @@ class KvPolicy:
         self._wall = wall
         self._rng = rng if rng is not None else random.Random()
         self._last_terms: dict[ReplicaId, tuple[LoadTerms, float]] = {}
+        self._placed: dict[ReplicaId, tuple[float, float]] = {}
         if metrics is not None:
             self._route_hist = metrics.route_seconds.labels(self.name)
             self._stage = {s: metrics.stage_seconds.labels(s)
@@ -277,7 +282,8 @@ class KvPolicy:
         if hits is not None:
             hits = self.provisional.overlay(hits, keys, now, candidates)
 
-        inputs = self._inputs(candidates, hits or _EMPTY, now, previous, akey)
+        new_conversation = previous is None
+        inputs = self._inputs(candidates, hits or _EMPTY, now, previous, new_conversation)
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
@@ -359,7 +365,7 @@ class KvPolicy:
         hits: PrefixHits,
         now: float,
         previous: SessionState | None,
-        akey: AffinityKey,
+        new_conversation: bool,
     ) -> list[ReplicaInput]:
         cfg = self.config
         wall = self._wall()
@@ -381,6 +387,7 @@ class KvPolicy:
                 scraped_waiting=sample.waiting if sample is not None else None,
                 scraped_running=sample.running if sample is not None else None,
                 foreign_prefill_tokens_per_request=cfg.foreign_prefill_tokens_per_request,
+                placements=self._placements(r, now) if new_conversation else 0.0,
             )
             fresh = self._freshness.get(r, now, wall, self.calibration.trust(r))
             hit = by_replica.get(r, _NO_HIT)
@@ -430,6 +437,8 @@ class KvPolicy:
         replica = chosen.replica
         if prompt is not None:
             self.provisional.add(replica, prompt.block_keys, now)
+        if previous is None:
+            self._placed[replica] = (self._placements(replica, now) + 1.0, now)
         if m is not None and decision.predicted_cached_tokens is not None:
             m.predicted_cached_tokens.labels(replica).inc(decision.predicted_cached_tokens)
             m.expected_cached_tokens.labels(replica).inc(chosen.expected_cached_tokens)
@@ -462,6 +471,14 @@ class KvPolicy:
                     request.request_id, br.cause, br.position, br.previous_tokens,
                     br.message_index, br.message_role, br.lost_tokens,
                 )
+
+    def _placements(self, replica: ReplicaId, now: float) -> float:
+        """New conversations recently placed on ``replica`` (decaying, tau
+        ``placement_tau_s``)."""
+        value, since = self._placed.get(replica, (0.0, now))
+        if value == 0.0:
+            return 0.0
+        return value * math.exp(-(now - since) / self.config.placement_tau_s)
 
     # ------------------------------------------------------------------ metrics
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:

@@ -201,7 +201,8 @@ def kv_config(s: ScoringSettings) -> KvConfig:
     """The policy's copy of the scoring settings."""
     return KvConfig(
         weights=ScoringWeights(
-            alpha=s.alpha, beta=s.beta, gamma=s.gamma, horizon_spread=s.horizon_spread,
+            alpha=s.alpha, beta=s.beta, gamma=s.gamma, delta=s.delta,
+            horizon_spread=s.horizon_spread,
             disconnected_trust=s.disconnected_trust, gap_trust=s.gap_trust,
             gap_window_s=s.gap_window_s, reset_trust=s.reset_trust,
             reset_window_s=s.reset_window_s,
@@ -216,6 +217,7 @@ def kv_config(s: ScoringSettings) -> KvConfig:
         foreign_prefill_tokens_per_request=s.foreign_prefill_tokens_per_request,
         balance_abs_tokens=s.balance_abs_tokens,
         balance_rel=s.balance_rel,
+        placement_tau_s=s.placement_tau_s,
         affinity_prefix_blocks=s.affinity_prefix_blocks,
         detect_prefix_breaks=s.detect_prefix_breaks,
         receipt_large_abs_tokens=s.receipt_large_abs_tokens,

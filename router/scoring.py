@@ -7,6 +7,7 @@ argument, so a decision can be replayed from its inputs and asserted in table te
 The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
 
     score(r) = -alpha * new_tokens(r) - beta * queued_prefill_tokens(r) - gamma * decode_load(r)
+               - delta * placements(r)
     new_tokens(r) = n - expected_cached_tokens(r)
     expected_cached_tokens(r) = B * sum over usable matched blocks i of  P_i(r) * v_tier(i)
 
@@ -41,6 +42,14 @@ The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
 * ``queued_prefill_tokens`` and ``decode_load`` combine the router's own in-flight
   accounting with the replica's scraped queue (``combine_load``): other routers send
   traffic too, and a stale scrape is unknown, never zero.
+* ``placements`` is only set for a *new* conversation: the recent new conversations
+  placed on the replica (a decaying count).  Sticky sessions are future load that the
+  instantaneous queue does not show yet; without this term a prefix held by one replica
+  (a shared system prompt) would pull every new conversation there whenever traffic is
+  paced (the hotspot measured on other cache-aware routers).  With it, the session
+  imbalance stays below about ``shared prefix tokens / delta`` before the prefix is
+  computed once more on another replica.  Existing sessions never pay it (moving them
+  would throw their context away).
 
 All weights are in tokens: ``alpha = beta = 1`` makes the score minus the prefill tokens
 the request would wait for plus compute, i.e. proportional to its time to first token
@@ -131,6 +140,8 @@ class LoadTerms:
     """Prefill tokens ahead of this request (own not-yet-first-token + foreign waiting)."""
     decode_load: float = 0.0
     """Sequences decoding on the replica."""
+    placements: float = 0.0
+    """Recent new conversations placed there (new conversations only; else 0)."""
     known: bool = True
     """False when neither own accounting nor a fresh scrape said anything."""
 
@@ -163,6 +174,10 @@ class ScoringWeights:
     """Weight of the prefill tokens already queued there (same unit: equal by default)."""
     gamma: float = 32.0
     """Prefill-token equivalent of one decoding sequence (it shares every batch step)."""
+    delta: float = 256.0
+    """Prefill-token cost of one recent new conversation already placed on the replica
+    (for new conversations): a 1-2k-token shared prompt is replicated once the session
+    imbalance reaches 4-8."""
     horizon_spread: float = 0.5
     """Relative uncertainty of the eviction horizon (survival ramps over +-spread)."""
     disconnected_trust: float = 0.5
@@ -197,6 +212,7 @@ class ReplicaScore:
     new_tokens: float
     queued_prefill_tokens: float
     decode_load: float
+    placements: float
     load_known: bool
     score: float
 
@@ -247,6 +263,7 @@ def combine_load(
     scraped_waiting: float | None,
     scraped_running: float | None,
     foreign_prefill_tokens_per_request: float,
+    placements: float = 0.0,
 ) -> LoadTerms:
     """Merge the router's own accounting with the replica's scraped gauges.
 
@@ -266,7 +283,8 @@ def combine_load(
     known = scraped_waiting is not None or scraped_running is not None or (
         own_queued_requests > 0 or own_decoding > 0
     )
-    return LoadTerms(queued_prefill_tokens=queued, decode_load=decode, known=known)
+    return LoadTerms(queued_prefill_tokens=queued, decode_load=decode,
+                     placements=max(0.0, placements), known=known)
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
@@ -302,7 +320,8 @@ def score_replica(
             )
     expected = block_size * p_index * weighted
     new_tokens = max(0.0, prompt_tokens - expected)
-    score = -w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
+    score = (-w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
+             - w.delta * inp.load.placements)
     return ReplicaScore(
         replica=inp.replica,
         matched_blocks=hit.blocks,
@@ -319,6 +338,7 @@ def score_replica(
         new_tokens=new_tokens,
         queued_prefill_tokens=queued,
         decode_load=inp.load.decode_load,
+        placements=inp.load.placements,
         load_known=inp.load.known,
         score=score,
     )

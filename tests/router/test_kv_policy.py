@@ -128,6 +128,29 @@ async def test_shared_system_prompt_everywhere_spreads_new_conversations(
     assert set(placed) == set(R) and max(placed.values()) <= 20, placed
 
 
+async def test_paced_new_conversations_do_not_pile_onto_one_prefix_holder(
+    registry: RendererRegistry,
+) -> None:
+    # one replica holds a long shared system prompt and nothing is ever in flight:
+    # the recent-placements term replicates the prefix instead of a 40/0/0/0 hotspot
+    env = Env(registry)
+    system = "Shared agent rules. " + " ".join(f"rule{i} is binding" for i in range(300))
+    first = req(chat("warm", system=system))
+    await env.hold(R[0], first)
+    shared_tokens = len((await env.prompt(first)).block_keys) * 16
+    placed: collections.Counter[ReplicaId] = collections.Counter()
+    reasons: collections.Counter[str] = collections.Counter()
+    for u in range(40):
+        d = await env.policy.route(req(chat(f"user {u} has a question", system=system)), R)
+        placed[d.replica] += 1
+        reasons[d.reason] += 1
+        await env.hold(d.replica, first)  # what its events would tell the index
+        env.clock.t += 2.0
+    assert shared_tokens > 1000
+    assert set(placed) == set(R) and max(placed.values()) <= 16, placed
+    assert reasons["kv_load"] >= 3  # the prefix was computed again on purpose
+
+
 async def test_shared_prefix_with_load_goes_to_the_least_loaded(
     registry: RendererRegistry,
 ) -> None:
@@ -164,7 +187,8 @@ async def test_overloaded_holder_replicates_a_popular_prefix(registry: RendererR
 
 async def test_burst_with_a_new_prefix_goes_together(registry: RendererRegistry) -> None:
     env = Env(registry)
-    new_system = "A brand new agent prompt. " + " ".join(f"tool{i} does x" for i in range(50))
+    # an agent's fan-out: a new 2k-token prompt, sub-calls arriving within milliseconds
+    new_system = "A brand new agent prompt. " + " ".join(f"tool{i} does x" for i in range(400))
     first = await env.policy.route(req(chat("sub-task 0", system=new_system)), R)
     assert first.reason == "affinity_no_hit"
     for i in range(1, 6):
