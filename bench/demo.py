@@ -17,7 +17,7 @@ Steps (all children of this process, all stopped at the end, on errors and on Ct
 Sized for two minutes on two cores, in simulated time: generation is capped
 (``--max-tokens``, default 16) while the history grows by the trace's 350-token replies
 (TTFT and prefill, the figures compared, do not depend on the number of generated
-tokens); think times are short (median 3 s, 10% of users back after ~30 s) and arrivals
+tokens); think times are short (median 2.5 s, 10% of users back after ~25 s) and arrivals
 dense, which keeps the same competition for cache between turns as minutes of real
 traffic would at a proportionally lower rate.  The time scale (0.1: ten times faster than
 real time) is the compromise between run time and wall-clock noise: TTFT is the simulated
@@ -57,11 +57,11 @@ class DemoOptions:
     user_tokens: int = 150
     reply_tokens: int = 350
     tenants: int = 4
-    arrival_rate: float = 0.5
+    arrival_rate: float = 0.6
     """New conversations per simulated second."""
-    think_median_s: float = 3.0
+    think_median_s: float = 2.5
     think_tail_share: float = 0.1
-    think_tail_median_s: float = 30.0
+    think_tail_median_s: float = 25.0
     block_size: int = 16
     num_blocks: int = 2048
     """KV blocks per replica (about 32k tokens): enough for a few live conversations
