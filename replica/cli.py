@@ -54,6 +54,8 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
                    help="host-tier capacity in blocks (0: no CPU offload)")
     p.add_argument("--cpu-offload-bandwidth", type=float, default=25e9,
                    help="host-to-GPU bandwidth in bytes/s")
+    p.add_argument("--lora-modules", nargs="*", default=None, metavar="NAME",
+                   help="LoRA adapter names served besides the base model")
     p.add_argument("--no-prompt-tokens-details", action="store_true",
                    help="omit usage.prompt_tokens_details (vLLM's default without "
                    "--enable-prompt-tokens-details)")

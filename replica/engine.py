@@ -107,6 +107,7 @@ class SimEngine:
         self.steps = 0
         self._wake = asyncio.Event()
         self._t0: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._virtual_now = 0.0
         self._reset_pending = False
 
@@ -116,7 +117,9 @@ class SimEngine:
         """Current simulated time in seconds since the engine started."""
         if self.time_scale == 0:
             return self._virtual_now
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         if self._t0 is None:
             self._t0 = loop.time()
         return (loop.time() - self._t0) / self.time_scale

@@ -18,8 +18,9 @@ Policy, as in ``vllm/v1/core/sched/scheduler.py`` (FCFS, chunked prefill):
   The head of the queue blocks the rest (FCFS).
 * Admission looks up the prefix cache: at most ``(n - 1) // B`` leading blocks (the last
   token is always recomputed), then the host tier for the blocks after the GPU hit.
-  ``cached_tokens`` (usage) is fixed at the first admission; prefix-cache stats count
-  every admission, preempted ones included.
+  ``cached_tokens`` (usage) is fixed at the first admission; the prefix-cache counters
+  (``vllm:prefix_cache_*``) count first admissions only, as vLLM's do (re-admissions of
+  preempted requests go to its separate "preempted" figures, which are not exported).
 * Blocks become cached when the tokens filling them are *scheduled* (vLLM caches in
   ``allocate_slots``), for prompt and generated tokens alike.
 * After a step a request whose computed tokens reach its length samples one token
@@ -274,8 +275,9 @@ class Scheduler:
                 req.num_cached_blocks = len(hit)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = computed
-                stats.prefix_queries += num_tokens
-                stats.prefix_hits += len(hit) * bs
+                if not req.num_preemptions:  # vLLM counts re-admissions separately
+                    stats.prefix_queries += num_tokens
+                    stats.prefix_hits += len(hit) * bs
                 if n_host:
                     extra_s += host.load_seconds(n_host) if host is not None else 0.0
                 n = min(num_tokens - computed, budget)

@@ -54,6 +54,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         legacy_encoding=args.legacy_event_encoding,
         legacy_replay=args.legacy_replay,
         enable_prompt_tokens_details=not args.no_prompt_tokens_details,
+        lora_modules=tuple(args.lora_modules or ()),
         faults=faults,
     )
 

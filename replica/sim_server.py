@@ -67,6 +67,8 @@ class SimSettings:
     legacy_replay: bool = False
     buffer_steps: int = 10_000
     enable_prompt_tokens_details: bool = True
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapter names served besides the base model (their blocks carry the name)."""
     faults: Faults = field(default_factory=Faults)
 
     def engine_config(self) -> EngineConfig:
@@ -249,7 +251,10 @@ class SimServer:
                 "is_blocking": False,
             }],
         }
-        return _json({"object": "list", "data": [card]})
+        cards = [card]
+        for name in s.lora_modules:
+            cards.append({**card, "id": name, "root": f"/sim/loras/{name}", "parent": s.model})
+        return _json({"object": "list", "data": cards})
 
     async def _kv_event_sources(self, request: web.Request) -> web.Response:
         if self.publisher is None:
@@ -300,7 +305,8 @@ class SimServer:
         if not isinstance(body, dict):
             raise _HttpError(400, "The request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.settings.model:
+        if model is not None and model != self.settings.model and \
+                model not in self.settings.lora_modules:
             raise _HttpError(
                 404, f"The model `{model}` does not exist. Valid aliases: {self.settings.model}.",
                 "NotFoundError", "model",
@@ -380,7 +386,7 @@ class SimServer:
             "token_ids": ids,
             "features": None,
             "sampling_params": {"max_tokens": max_tokens, "n": 1},
-            "model": self.settings.model,
+            "model": body.get("model") or self.settings.model,
             "stream": bool(body.get("stream", False)),
             "cache_salt": body.get("cache_salt"),
             "priority": int(body.get("priority", 0) or 0),
@@ -445,10 +451,12 @@ class SimServer:
             wake.set()
 
         salt = body.get("cache_salt")
+        model = body.get("model")
+        lora = model if model in self.settings.lora_modules else None
         sched = self.engine.scheduler
         req = SimRequest(
-            rid, ids, max_tokens, keys=sched.make_keys(ids, cache_salt=salt, lora_name=None),
-            cache_salt=salt, seed=seed_val, on_output=on_output,
+            rid, ids, max_tokens, keys=sched.make_keys(ids, cache_salt=salt, lora_name=lora),
+            cache_salt=salt, lora_name=lora, seed=seed_val, on_output=on_output,
             stream=bool(body.get("stream")),
         )
         self.engine.submit(req)
@@ -514,7 +522,8 @@ class SimServer:
             )
         return {
             "id": req.request_id, "object": obj, "created": created,
-            "model": self.settings.model, "choices": [choice], "service_tier": None,
+            "model": req.lora_name or self.settings.model, "choices": [choice],
+            "service_tier": None,
             "system_fingerprint": None, "usage": usage, "prompt_logprobs": None,
             "prompt_token_ids": None, "kv_transfer_params": None,
         }
@@ -530,7 +539,7 @@ class SimServer:
         )
         await resp.prepare(request)
         created = int(time.time())
-        model = self.settings.model
+        model = req.lora_name or self.settings.model
         rid = req.request_id
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = b'{"id":' + orjson.dumps(rid) + b',"object":"' + obj.encode() + \

@@ -340,3 +340,25 @@ async def test_fault_crash_drops_the_replica(tokenizer_dir: Path) -> None:
         with pytest.raises(aiohttp.ClientConnectionError):
             async with http.get(f"{handle.url}/health") as resp:
                 await resp.read()
+
+
+async def test_lora_adapter_is_served_and_isolated(
+    tokenizer_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    async with start_sim(tokenizer_dir, model=MODEL, time_scale=0.01,
+                         lora_modules=("adapter-a",)) as handle:
+        async with http.get(f"{handle.url}/v1/models") as resp:
+            cards = (await resp.json())["data"]
+        assert [c["id"] for c in cards] == [MODEL, "adapter-a"]
+        assert cards[1]["parent"] == MODEL
+        body = _chat(LONG_TEXT, model="adapter-a", max_tokens=1)
+        async with http.post(f"{handle.url}/v1/chat/completions", json=body) as resp:
+            first = await resp.json()
+        assert first["model"] == "adapter-a"
+        base = _chat(LONG_TEXT, max_tokens=1)
+        async with http.post(f"{handle.url}/v1/chat/completions", json=base) as resp:
+            other = await resp.json()
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        async with http.post(f"{handle.url}/v1/chat/completions", json=body) as resp:
+            again = await resp.json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
