@@ -322,6 +322,9 @@ class SimServer:
                 " and must not contain '@', '/', '\\', or NUL.",
                 "BadRequestError", "cache_salt",
             )
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            raise _HttpError(400, "the simulated replica only serves n=1", "BadRequestError", "n")
         if body.get("stream_options") is not None and not body.get("stream"):
             raise _HttpError(400, "Stream options can only be defined when `stream=True`.",
                              "BadRequestError", "stream_options")
@@ -353,7 +356,7 @@ class SimServer:
         if value is None:
             return limit - n_prompt if chat else min(16, limit - n_prompt)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise _HttpError(400, "max_tokens must be at least 1, got {value}.",
+            raise _HttpError(400, f"max_tokens must be at least 1, got {value}.",
                              "BadRequestError", "max_tokens")
         if value > limit - n_prompt:
             raise _HttpError(
