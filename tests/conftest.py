@@ -7,8 +7,9 @@ session ends.  Tests share that server, so each test keeps to its own keys:
 ``redis_namespace`` gives a unique key prefix per test (nothing is flushed, so a shared
 ``REDIS_URL`` is safe to point at).
 
-``start_redis_server()`` starts one more private server for tests that need to own one
-(kill it, pause it).
+``private_redis`` (one server owned by the test) and ``redis_server_factory`` (start
+servers on demand, e.g. again on the same port after a kill) are for tests that need to
+own a server: kill it, pause it, restart it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -148,3 +149,20 @@ def private_redis() -> Iterator[RedisServer]:
     """A ``redis-server`` owned by this test alone (to kill, pause or restart)."""
     with start_redis_server() as server:
         yield server
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[[int | None], RedisServer]]:
+    """Start private servers on demand (``factory(port)``, ``None`` for a free port); all
+    are stopped when the test ends."""
+    servers: list[RedisServer] = []
+
+    def factory(port: int | None = None) -> RedisServer:
+        server = launch_redis_server(port)
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
