@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` that also turns SIGTERM into a cancellation (clean child shutdown)."""
+    """``asyncio.run`` that also turns SIGTERM into a cancellation (clean child shutdown);
+    either signal surfaces as ``KeyboardInterrupt`` once everything is stopped."""
 
     async def main() -> T:
         task = asyncio.current_task()
@@ -51,7 +52,10 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
                 pass
         return await coro
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:  # SIGTERM: the main task was cancelled and cleaned up
+        raise KeyboardInterrupt from None
 
 
 # ---- demo ----------------------------------------------------------------------------
@@ -292,7 +296,11 @@ def _bench_run(args: argparse.Namespace) -> int:
         async with Runner(cfg) as runner:
             return await runner.run(trace)
 
-    results = _run(go())
+    try:
+        results = _run(go())
+    except KeyboardInterrupt:
+        print("kvroute bench run: interrupted", file=sys.stderr)
+        return 130
     if args.out is not None:
         with args.out.open("w") as fh:
             for r in results:
@@ -419,7 +427,11 @@ def _probe(args: argparse.Namespace) -> int:
             return await Prober(cfg).run()
         return await _probe_sim(args, pauses)
 
-    result = _run(go())
+    try:
+        result = _run(go())
+    except KeyboardInterrupt:
+        print("kvroute probe-horizon: interrupted", file=sys.stderr)
+        return 130
     print(format_table(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")

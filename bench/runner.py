@@ -18,7 +18,8 @@ Replies (``RunConfig.replies``):
   application does; use it against real engines to include reply caching.
 
 Per request it records: the replica and reason (``x-kvroute-*`` headers when a kvroute
-router is in front), the wall time to the first streamed chunk, the simulated TTFT when the
+router is in front; else the simulated replica's own report, so peer routers' stickiness
+shows too), the wall time to the first streamed chunk, the simulated TTFT when the
 replica reports one (``usage.kvroute_sim.ttft_s``, asked for with ``sim_timing``), ``usage``
 (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``, via
 ``stream_options.include_usage``), and errors.  Requests that fail are recorded and the
@@ -138,6 +139,8 @@ def _usage_fields(usage: Mapping[str, Any] | None) -> dict[str, Any]:
     }
     if isinstance(sim, Mapping) and isinstance(sim.get("ttft_s"), int | float):
         out["sim_ttft_s"] = float(sim["ttft_s"])
+    if isinstance(sim, Mapping) and isinstance(sim.get("replica"), str):
+        out["sim_replica"] = sim["replica"]
     return out
 
 
@@ -276,13 +279,17 @@ class Runner:
             return RequestResult(
                 **common, status=0, error=f"{type(exc).__name__}: {exc}"[:300]
             ), ""
+        fields = _usage_fields(usage)
+        sim_replica = fields.pop("sim_replica", None)
+        if meta["replica"] is None and sim_replica is not None:
+            meta["replica"] = sim_replica.removeprefix("http://")
         return RequestResult(
             **common,
             **meta,
             error=err,
             ttft_s=ttft,
             latency_s=latency,
-            **_usage_fields(usage),
+            **fields,
         ), reply
 
     @staticmethod

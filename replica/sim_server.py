@@ -488,8 +488,10 @@ class SimServer:
         if timing and req.first_token_s is not None:
             # Opt-in (body ``vllm_xargs.kvroute_sim_timing``), for kvroute's benchmark: the
             # TTFT in simulated seconds, free of the wall-clock HTTP overhead that a time
-            # scale would magnify.  Not a vLLM field.
-            usage["kvroute_sim"] = {"ttft_s": round(req.first_token_s - req.arrival_s, 6)}
+            # scale would magnify, and which replica served (behind routers that do not
+            # say).  Not a vLLM field.
+            usage["kvroute_sim"] = {"ttft_s": round(req.first_token_s - req.arrival_s, 6),
+                                    "replica": self.url}
         return usage
 
     def _text(self, ids: list[int]) -> str:

@@ -24,6 +24,7 @@ class FakeEndpoint:
         self.headers: list[dict[str, str]] = []
         self.times: list[float] = []
         self.fail_turn: int | None = None
+        self.router_headers = True
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -34,17 +35,18 @@ class FakeEndpoint:
         if n_user == self.fail_turn:
             return web.json_response({"error": {"message": "boom"}}, status=503)
         await asyncio.sleep(self.delay_s)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "x-kvroute-replica": f"r{n_user % 2}",
-                     "x-kvroute-reason": "test", "x-kvroute-predicted-cached-tokens": "32"}
-        )
+        headers = {"Content-Type": "text/event-stream"}
+        if self.router_headers:
+            headers.update({"x-kvroute-replica": f"r{n_user % 2}", "x-kvroute-reason": "test",
+                            "x-kvroute-predicted-cached-tokens": "32"})
+        resp = web.StreamResponse(headers=headers)
         await resp.prepare(request)
         for piece in ("", f"reply{n_user}", " done"):
             chunk = {"choices": [{"index": 0, "delta": {"content": piece}}]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         usage = {"prompt_tokens": 100 * n_user, "completion_tokens": 2,
                  "prompt_tokens_details": {"cached_tokens": 16 * (n_user - 1)},
-                 "kvroute_sim": {"ttft_s": 0.123}}
+                 "kvroute_sim": {"ttft_s": 0.123, "replica": "http://127.0.0.1:1"}}
         await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -107,10 +109,12 @@ async def test_open_loop_replay_records_everything(endpoint: tuple[str, FakeEndp
 async def test_actual_replies_and_errors(endpoint: tuple[str, FakeEndpoint]) -> None:
     url, fake = endpoint
     fake.fail_turn = 2
+    fake.router_headers = False  # e.g. a peer router: the replica's own report names it
     trace = [t for t in two_sessions() if t.session == "a"]
     async with Runner(RunConfig(url=url, model="m", time_scale=0.01, replies="actual")) as r:
         results = await r.run(trace)
     assert [x.ok for x in sorted(results, key=lambda x: x.turn)] == [True, False, True]
+    assert all(x.replica == "127.0.0.1:1" and x.reason is None for x in results if x.ok)
     failed = next(x for x in results if not x.ok)
     assert failed.status == 503 and failed.error and "boom" in failed.error
     last = fake.bodies[-1]["messages"]
