@@ -1,0 +1,66 @@
+"""Pure parts of the comparison: peer specs, sweeps, think-time scaling, report figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.compare import PeerSpec, parse_sweep, scale_think
+from bench.oracle import OracleResult
+from bench.report import format_table, percentile, stay_share, summarize
+from bench.runner import RequestResult
+from bench.workload import generate, preset
+
+
+def test_peer_spec_parse_and_argv() -> None:
+    spec = PeerSpec.parse(
+        "name=vllm;cmd=vllm-router --host 127.0.0.1 --port {port} --worker-urls {workers}"
+    )
+    assert spec.name == "vllm" and spec.ready_path == "/health"
+    assert spec.argv(9000, ["http://a:1", "http://b:2"]) == [
+        "vllm-router", "--host", "127.0.0.1", "--port", "9000", "--worker-urls",
+        "http://a:1", "http://b:2"]
+    comma = PeerSpec.parse("name=x;cmd=r --w {workers_comma};ready=/ready")
+    assert comma.argv(1, ["u", "v"]) == ["r", "--w", "u,v"] and comma.ready_path == "/ready"
+    with pytest.raises(ValueError):
+        PeerSpec.parse("cmd=only")
+    with pytest.raises(ValueError):
+        PeerSpec.parse("name=x;oops")
+
+
+def test_sweep_parsing_and_think_scaling() -> None:
+    assert parse_sweep(["replicas=2,4", "think=0.5"]) == [
+        ("replicas", [2.0, 4.0]), ("think", [0.5])]
+    with pytest.raises(ValueError):
+        parse_sweep(["colour=1"])
+    trace = generate(preset("small", sessions=3))
+    doubled = scale_think(trace, 2.0)
+    assert [r.think_s * 2 for r in trace] == [r.think_s for r in doubled]
+    assert [r.user for r in trace] == [r.user for r in doubled]
+
+
+def res(session: str, turn: int, replica: str, prompt: int, cached: int,
+        ttft: float, ok: bool = True) -> RequestResult:
+    return RequestResult(session=session, turn=turn, tenant=None, scheduled_s=0, sent_s=0,
+                         status=200 if ok else 503, error=None if ok else "x",
+                         ttft_s=ttft, sim_ttft_s=ttft / 10, replica=replica,
+                         prompt_tokens=prompt, cached_tokens=cached)
+
+
+def test_summary_figures() -> None:
+    results = [
+        res("a", 1, "r1", 100, 0, 1.0), res("a", 2, "r1", 200, 96, 0.5),
+        res("a", 3, "r2", 300, 0, 2.0), res("b", 1, "r2", 100, 0, 1.0),
+        res("b", 2, "r2", 200, 96, 0.4), res("b", 3, "r2", 300, 192, 0.3, ok=False),
+    ]
+    oracle = OracleResult(prompt_tokens=1200, oracle_saved=384, pooled_saved=384,
+                          unbounded_saved=400)
+    s = summarize("p", results, time_scale=0.1, oracle=oracle)
+    assert (s.requests, s.errors, s.prompt_tokens, s.cached_tokens) == (6, 1, 900, 192)
+    assert s.computed_tokens == 708 and s.of_oracle == pytest.approx(0.5)
+    assert s.ttft_source == "simulated" and s.ttft_p50 == pytest.approx(0.1)
+    assert s.stay_share == pytest.approx(2 / 3)  # a1->a2 stays, a2->a3 moves, b1->b2 stays
+    assert s.spread == {"r1": 2, "r2": 3}
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
+    assert stay_share([]) is None
+    table = format_table([s], oracle)
+    assert "oracle" in table and "50%" in table
