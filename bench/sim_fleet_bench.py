@@ -16,7 +16,10 @@ never imports ``replica``), with bounded run time:
 3. **http**: ``replicas`` ``SimServer``s in ``procs`` processes, driven over loopback by
    this process (aiohttp, closed loop, ``--http-concurrency`` in flight per replica,
    non-streaming chat completions with ``max_tokens`` 8) for ``--http-seconds``; reports
-   requests/s per replica, latency, errors, and CPU per request in the servers.
+   requests/s per replica, latency, errors, and CPU per request in the servers.  The
+   servers run at ``--http-time-scale`` (default 0.01): at real time a closed loop is
+   capped by Little's law (C in flight / ~80 ms simulated latency), which would measure
+   the driver's concurrency rather than the servers.
 
 Workload: 128-token prompts sharing a 96-token system prompt (engine) or chat messages
 with a shared system message (HTTP), 8 output tokens, the ``default`` profile.
@@ -108,6 +111,7 @@ async def _start_servers(
     for _ in range(args.procs):
         proc = await asyncio.create_subprocess_exec(
             *_FLEET, "serve", "--replicas", str(per), "--tokenizer", tokenizer,
+            "--time-scale", str(args.http_time_scale),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
         procs.append(proc)
@@ -195,6 +199,7 @@ async def http_path(args: argparse.Namespace) -> dict[str, Any]:
         "replicas": len(urls),
         "procs": args.procs,
         "concurrency_per_replica": args.http_concurrency,
+        "time_scale": args.http_time_scale,
         "wall_seconds": round(wall, 3),
         "requests": total,
         "errors": len(errors),
@@ -276,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--capacity-requests", type=int, default=20_000)
     p.add_argument("--http-seconds", type=float, default=5.0)
-    p.add_argument("--http-concurrency", type=int, default=4)
+    p.add_argument("--http-concurrency", type=int, default=8)
+    p.add_argument("--http-time-scale", type=float, default=0.01,
+                   help="the servers' time scale: at 1.0 a closed loop of C requests in "
+                   "flight per replica is capped at C / latency, so the default runs 100x "
+                   "faster to measure what HTTP and the CPU allow")
     p.add_argument("--skip-capacity", action="store_true")
     p.add_argument("--skip-core", action="store_true")
     p.add_argument("--skip-http", action="store_true")

@@ -75,4 +75,9 @@ def _run_sim(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve_forever(args))
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(serve_forever(args))
+    code: int = uvloop.run(serve_forever(args))
+    return code
