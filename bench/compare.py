@@ -8,7 +8,8 @@ Before each target every replica's prefix cache is emptied (``POST
 
 The oracle (``bench.oracle``) needs the exact token ids the replicas hash: they come from
 the replica's own ``POST /tokenize`` for each turn's messages (the trace's fixed replies
-make these the prompts every target sends).
+make these the prompts every target sends; with ``replies="actual"`` the oracle still
+uses the trace's replies, so it is then an estimate).
 
 Peer routers: sglang-router tries to download a tokenizer for the model a replica reports,
 and nothing may leave the machine, so peers run only inside a loopback-only network
