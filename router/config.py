@@ -212,7 +212,7 @@ class ScoringSettings(_Section):
     so the score is the prefill ahead of the first token)."""
     gamma: float = Field(default=32.0, ge=0)
     """Prefill tokens one decoding sequence is worth (it shares every batch step)."""
-    delta: float = Field(default=256.0, ge=0)
+    delta: float = Field(default=512.0, ge=0)
     """Prefill tokens one recent new conversation on a replica is worth, for placing new
     conversations: sticky sessions are future load the queue does not show under paced
     traffic, so a prefix one replica holds is replicated once the imbalance exceeds

@@ -33,10 +33,14 @@ Algorithm, per request (``KvPolicy.decide``):
    queue term (reason ``kv_load``).
 6. **Fallback: session affinity** (``router.affinity``) when the index has nothing
    useful: it is down, the prompt could not be rendered, or the best expected hit is
-   below ``min_hit_tokens``.  The ring (uhashring, ketama) pins the session key (header,
-   ``user``, first message, or prompt prefix); a pinned replica whose load exceeds the
-   least loaded by ``balance_abs_tokens`` and ``balance_rel``x yields to the least
-   loaded (reason ``affinity_overload``).
+   below ``min_hit_tokens`` while some candidate's event source is not live (the index
+   may simply not know where the session is).  The ring (uhashring, ketama) pins the
+   session key (header, ``user``, first message, or prompt prefix); a pinned replica
+   whose load exceeds the least loaded by ``balance_abs_tokens`` and ``balance_rel``x
+   yields to the least loaded (reason ``affinity_overload``).  When every candidate's
+   event source is live, a miss means a genuinely new prefix: it is placed by the same
+   score (load and recent placements, ties by ring order; reason ``kv_new``), and its
+   later turns follow it through the index.
 
 Then (``commit``; not for ``/debug/route``): record provisional entries, update the
 session (stickiness counter, think time against the eviction horizon, prefix-break
@@ -49,7 +53,8 @@ request (``LoadTracker.lease``): the tokens it must *prefill*, i.e. the prompt m
 predicted cached tokens.  The full prompt length is in ``detail["prompt_tokens"]``.
 
 Reasons (bounded label values): ``kv_hit`` (the chosen replica has the best expected
-hit), ``kv_load`` (load outweighed a better hit elsewhere), ``affinity_no_hit``,
+hit), ``kv_load`` (load outweighed a better hit elsewhere), ``kv_new`` (no hit anywhere,
+placed by load), ``affinity_no_hit``,
 ``affinity_index_down``, ``affinity_no_prompt``, ``affinity_overload``.
 """
 
@@ -83,10 +88,11 @@ from router.scoring import (
     ReplicaScore,
     ScoringWeights,
     combine_load,
+    foreign_load,
     pick,
     rank_replicas,
 )
-from router.scrape import MetricsScraper
+from router.scrape import MetricsScraper, ScrapeSample
 from router.session_table import SessionState, SessionTable
 
 __all__ = ["KvConfig", "KvPolicy", "PromptSource"]
@@ -133,18 +139,22 @@ class _Freshness:
         self._statuses = statuses
         self._seen: dict[ReplicaId, tuple[int, int, float | None, float | None]] = {}
 
-    def get(self, replica: ReplicaId, now: float, wall: float, trust: float) -> Freshness:
+    def get(
+        self, replica: ReplicaId, now: float, wall: float, trust: float
+    ) -> tuple[Freshness, bool]:
+        """The freshness inputs, and whether the replica's event source is live."""
         status = self._statuses(replica)
         if status is None:
-            return Freshness(receipt_trust=trust)
-        gaps, resyncs, gap_t, reset_t = self._seen.get(replica, (0, 0, None, None))
+            return Freshness(receipt_trust=trust), False
+        # Counters at first sight are the baseline: the initial sync of a source is not
+        # a reason to distrust it (and the source does not count it as a resync).
+        gaps, resyncs, gap_t, reset_t = self._seen.get(
+            replica, (status.gaps, status.resyncs, None, None))
         if status.gaps > gaps:
             gap_t = now
         if status.resyncs > resyncs:
             reset_t = now
         self._seen[replica] = (status.gaps, status.resyncs, gap_t, reset_t)
-        if status.last_reset_monotonic is not None:
-            reset_t = max(reset_t or status.last_reset_monotonic, status.last_reset_monotonic)
         connected = status.connected and status.state in ("live", "resyncing", "standby")
         if connected:
             lag = status.receive_lag_s or 0.0
@@ -152,13 +162,14 @@ class _Freshness:
             lag = max(0.0, wall - status.last_receive_wall)
         else:
             lag = 0.0
-        return Freshness(
+        fresh = Freshness(
             lag_s=max(0.0, lag),
             connected=connected,
             since_gap_s=None if gap_t is None else now - gap_t,
             since_reset_s=None if reset_t is None else now - reset_t,
             receipt_trust=trust,
         )
+        return fresh, connected and status.state == "live"
 
 
 class KvPolicy:
@@ -204,10 +215,23 @@ class KvPolicy:
         self._rng = rng if rng is not None else random.Random()
         self._last_terms: dict[ReplicaId, tuple[LoadTerms, float]] = {}
         self._placed: dict[ReplicaId, tuple[float, float]] = {}
+        self._own_at_scrape: dict[ReplicaId, tuple[float, int, int]] = {}
+        self._fluid: dict[ReplicaId, tuple[float, float]] = {}
+        self._mine: dict[ReplicaId, int] = {}
+        """Prefill tokens of this policy's requests in flight, per replica (a part of
+        what the load tracker counts)."""
+        if scraper is not None:
+            scraper.add_listener(self.on_scrape)
         if metrics is not None:
             self._route_hist = metrics.route_seconds.labels(self.name)
             self._stage = {s: metrics.stage_seconds.labels(s)
                            for s in ("render", "lookup", "score")}
+
+    def on_scrape(self, replica: ReplicaId, sample: ScrapeSample) -> None:
+        """Scrape listener: remember our own load on ``replica`` at the scrape, so the
+        foreign part of its gauges can be told apart later (``scoring.foreign_load``)."""
+        own = self._load.get(replica)
+        self._own_at_scrape[replica] = (sample.t, own.in_flight - own.decoding, own.in_flight)
 
     # ------------------------------------------------------------------ Policy
     async def route(self, request: RouteRequest, candidates: Sequence[ReplicaId]) -> Decision:
@@ -217,6 +241,12 @@ class KvPolicy:
     def record(self, request: RouteRequest, decision: Decision, receipt: Receipt) -> None:
         """Check the receipt against the prediction; close the session's turn."""
         now = self._clock()
+        if decision.prompt_tokens:
+            left = self._mine.get(decision.replica, 0) - decision.prompt_tokens
+            if left > 0:
+                self._mine[decision.replica] = left
+            else:
+                self._mine.pop(decision.replica, None)
         detail = decision.detail
         session = detail.get("session")
         if isinstance(session, str):
@@ -283,7 +313,8 @@ class KvPolicy:
             hits = self.provisional.overlay(hits, keys, now, candidates)
 
         new_conversation = previous is None
-        inputs = self._inputs(candidates, hits or _EMPTY, now, previous, new_conversation)
+        inputs, sighted = self._inputs(candidates, hits or _EMPTY, now, previous,
+                                       new_conversation)
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
@@ -291,14 +322,21 @@ class KvPolicy:
         best_expected = max(s.expected_cached_tokens for s in ranked)
 
         ordered: list[ReplicaScore]
-        if fallback is None and best_expected < self.config.min_hit_tokens:
+        no_hit = fallback is None and best_expected < self.config.min_hit_tokens
+        if no_hit and not sighted:
+            # The index may just not know: keep sessions where the ring pins them.
             fallback = "no_hit"
         if fallback is None:
             u = self._rng.random() if self.config.temperature > 0 else 0.0
             ordered = pick(ranked, preference=preference,
                            temperature=self.config.temperature, u=u)
             chosen = ordered[0]
-            reason = "kv_hit" if chosen.expected_cached_tokens >= best_expected else "kv_load"
+            if no_hit:
+                reason = "kv_new"
+            elif chosen.expected_cached_tokens >= best_expected:
+                reason = "kv_hit"
+            else:
+                reason = "kv_load"
         else:
             ordered, overloaded = self._affinity(ranked, preference)
             chosen = ordered[0]
@@ -348,7 +386,8 @@ class KvPolicy:
                 "route %s kv reason=%s chosen=%s prompt=%d predicted=%s scores=%s",
                 request.request_id, reason, chosen.replica, n_tokens, predicted,
                 [(s.replica, round(s.score, 1), round(s.expected_cached_tokens, 1),
-                  s.queued_prefill_tokens, s.decode_load) for s in ordered],
+                  s.queued_prefill_tokens, s.decode_load, round(s.p_index, 2),
+                  round(s.p_resident_tail, 2)) for s in ordered],
             )
         return decision
 
@@ -366,7 +405,9 @@ class KvPolicy:
         now: float,
         previous: SessionState | None,
         new_conversation: bool,
-    ) -> list[ReplicaInput]:
+    ) -> tuple[list[ReplicaInput], bool]:
+        """Scoring inputs per candidate, and whether every candidate's event source is
+        live (a no-hit from a sighted index means "new prefix", not "unknown")."""
         cfg = self.config
         wall = self._wall()
         by_replica = hits.by_replica
@@ -377,19 +418,39 @@ class KvPolicy:
         if previous is not None and previous.finished_at is not None:
             age = max(0.0, now - previous.finished_at)
         inputs = []
+        sighted = True
         for r in candidates:
             own = self._load.get(r)
             sample = self._scraper.latest(r, now) if self._scraper is not None else None
+            f_wait: float | None = None
+            f_run: float | None = None
+            age_s = 0.0
+            if sample is not None:
+                then = self._own_at_scrape.get(r)
+                queued_then, in_flight_then = (0, 0)
+                if then is not None and then[0] == sample.t:
+                    queued_then, in_flight_then = then[1], then[2]
+                f_wait, f_run = foreign_load(
+                    scraped_waiting=sample.waiting, scraped_running=sample.running,
+                    own_queued_then=queued_then, own_in_flight_then=in_flight_then,
+                )
+                age_s = max(0.0, now - sample.t)
+            # The tracker's queued prefill, except that the part this policy sent is
+            # capped by the fluid estimate (see ``_fluid_queue``).
+            mine = min(own.queued_prefill_tokens, self._mine.get(r, 0))
+            queued_own = own.queued_prefill_tokens - mine + min(mine, self._fluid_queue(r, now))
             terms = combine_load(
-                own_queued_requests=own.in_flight - own.decoding,
-                own_queued_prefill_tokens=own.queued_prefill_tokens,
+                own_queued_prefill_tokens=queued_own,
                 own_decoding=own.decoding,
-                scraped_waiting=sample.waiting if sample is not None else None,
-                scraped_running=sample.running if sample is not None else None,
+                foreign_waiting=f_wait,
+                foreign_running=f_run,
                 foreign_prefill_tokens_per_request=cfg.foreign_prefill_tokens_per_request,
+                scrape_age_s=age_s,
+                prefill_tokens_per_s=cfg.costs.prefill_tokens_per_s,
                 placements=self._placements(r, now) if new_conversation else 0.0,
             )
-            fresh = self._freshness.get(r, now, wall, self.calibration.trust(r))
+            fresh, live = self._freshness.get(r, now, wall, self.calibration.trust(r))
+            sighted = sighted and live
             hit = by_replica.get(r, _NO_HIT)
             inputs.append(ReplicaInput(
                 replica=r,
@@ -402,7 +463,7 @@ class KvPolicy:
                 costs=cfg.costs,
             ))
             self._last_terms[r] = (terms, fresh.receipt_trust)
-        return inputs
+        return inputs, sighted
 
     def _affinity(
         self, ranked: list[ReplicaScore], preference: Mapping[ReplicaId, int]
@@ -437,6 +498,10 @@ class KvPolicy:
         replica = chosen.replica
         if prompt is not None:
             self.provisional.add(replica, prompt.block_keys, now)
+        if decision.prompt_tokens:
+            self._fluid[replica] = (self._fluid_queue(replica, now) + decision.prompt_tokens,
+                                    now)
+            self._mine[replica] = self._mine.get(replica, 0) + decision.prompt_tokens
         if previous is None:
             self._placed[replica] = (self._placements(replica, now) + 1.0, now)
         if m is not None and decision.predicted_cached_tokens is not None:
@@ -471,6 +536,16 @@ class KvPolicy:
                     request.request_id, br.cause, br.position, br.previous_tokens,
                     br.message_index, br.message_role, br.lost_tokens,
                 )
+
+    def _fluid_queue(self, replica: ReplicaId, now: float) -> float:
+        """Prefill tokens this policy sent to ``replica`` that a replica prefilling at
+        ``prefill_tokens_per_s`` would not have finished yet (a fluid FIFO queue).
+
+        It caps the load tracker's queued prefill, which for non-streaming requests
+        stays raised until the whole answer arrives (vLLM sends nothing before), long
+        after the prefill ended."""
+        queued, since = self._fluid.get(replica, (0.0, now))
+        return max(0.0, queued - self.config.costs.prefill_tokens_per_s * (now - since))
 
     def _placements(self, replica: ReplicaId, now: float) -> float:
         """New conversations recently placed on ``replica`` (decaying, tau

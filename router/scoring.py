@@ -40,8 +40,12 @@ The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
     horizon (no churn measured) means no eviction risk.
 
 * ``queued_prefill_tokens`` and ``decode_load`` combine the router's own in-flight
-  accounting with the replica's scraped queue (``combine_load``): other routers send
-  traffic too, and a stale scrape is unknown, never zero.
+  accounting with the foreign load a scrape shows (``foreign_load``, ``combine_load``):
+  other routers send traffic too.  The foreign part is what the scrape shows beyond our
+  own requests *at scrape time*, and the foreign queue is drained at the prefill rate
+  for the scrape's age, so a stale scrape neither double counts our requests nor keeps
+  a finished backlog alive; a scrape older than its staleness bound is unknown, never
+  zero.
 * ``placements`` is only set for a *new* conversation: the recent new conversations
   placed on the replica (a decaying count).  Sticky sessions are future load that the
   instantaneous queue does not show yet; without this term a prefix held by one replica
@@ -79,6 +83,7 @@ __all__ = [
     "ReplicaScore",
     "ScoringWeights",
     "combine_load",
+    "foreign_load",
     "index_trust",
     "pick",
     "rank_replicas",
@@ -174,10 +179,10 @@ class ScoringWeights:
     """Weight of the prefill tokens already queued there (same unit: equal by default)."""
     gamma: float = 32.0
     """Prefill-token equivalent of one decoding sequence (it shares every batch step)."""
-    delta: float = 256.0
+    delta: float = 512.0
     """Prefill-token cost of one recent new conversation already placed on the replica
-    (for new conversations): a 1-2k-token shared prompt is replicated once the session
-    imbalance reaches 4-8."""
+    (for new conversations): a 1.5k-token shared prompt is replicated once the session
+    imbalance reaches 3 (the benchmark's shape); bursts of one session are not affected."""
     horizon_spread: float = 0.5
     """Relative uncertainty of the eviction horizon (survival ramps over +-spread)."""
     disconnected_trust: float = 0.5
@@ -257,34 +262,53 @@ def resident_probability(exposure_s: float, horizon_s: float | None, spread: flo
 
 def combine_load(
     *,
-    own_queued_requests: int,
     own_queued_prefill_tokens: float,
     own_decoding: int,
-    scraped_waiting: float | None,
-    scraped_running: float | None,
-    foreign_prefill_tokens_per_request: float,
+    foreign_waiting: float | None = None,
+    foreign_running: float | None = None,
+    foreign_prefill_tokens_per_request: float = 512.0,
+    scrape_age_s: float = 0.0,
+    prefill_tokens_per_s: float = 0.0,
     placements: float = 0.0,
 ) -> LoadTerms:
-    """Merge the router's own accounting with the replica's scraped gauges.
+    """Merge the router's own accounting with the foreign load a scrape revealed.
 
-    Scraped ``waiting`` includes our own queued requests, so only the excess counts as
-    foreign, each costed at ``foreign_prefill_tokens_per_request``; this never double
-    counts our own requests (it is a lower bound on foreign work).  Decode load is the
-    larger of our decoding count and the scraped running batch.  ``None`` scrapes (stale
-    or never scraped) are unknown and contribute nothing rather than zeros that would
-    mask our own accounting."""
+    ``foreign_waiting`` / ``foreign_running`` are the replica's scraped queue and batch
+    minus what this router itself had there *at the scrape* (``foreign_load``), so our
+    own requests are never counted twice however stale the scrape.  Foreign queued
+    prefill is ``foreign_waiting * foreign_prefill_tokens_per_request``, drained at
+    ``prefill_tokens_per_s`` for the ``scrape_age_s`` since the scrape (a fluid queue:
+    the replica kept working); foreign decoding adds to ours.  ``None`` (stale or no
+    scrape) is unknown and adds nothing: our own accounting stands alone, never
+    masked by zeros."""
     queued = max(0.0, own_queued_prefill_tokens)
-    if scraped_waiting is not None:
-        foreign = max(0.0, scraped_waiting - own_queued_requests)
-        queued += foreign * max(0.0, foreign_prefill_tokens_per_request)
     decode = float(max(0, own_decoding))
-    if scraped_running is not None:
-        decode = max(decode, scraped_running)
-    known = scraped_waiting is not None or scraped_running is not None or (
-        own_queued_requests > 0 or own_decoding > 0
-    )
+    known = own_queued_prefill_tokens > 0 or own_decoding > 0
+    if foreign_waiting is not None:
+        known = True
+        backlog = max(0.0, foreign_waiting) * max(0.0, foreign_prefill_tokens_per_request)
+        queued += max(0.0, backlog - max(0.0, prefill_tokens_per_s) * max(0.0, scrape_age_s))
+    if foreign_running is not None:
+        known = True
+        decode += max(0.0, foreign_running)
     return LoadTerms(queued_prefill_tokens=queued, decode_load=decode,
                      placements=max(0.0, placements), known=known)
+
+
+def foreign_load(
+    *,
+    scraped_waiting: float | None,
+    scraped_running: float | None,
+    own_queued_then: int,
+    own_in_flight_then: int,
+) -> tuple[float | None, float | None]:
+    """``(foreign waiting, foreign running)``: what a scrape shows beyond this router's
+    own requests at the time of the scrape (``None`` when the scrape lacks the gauge)."""
+    if scraped_waiting is None or scraped_running is None:
+        return None, None
+    total = max(0.0, scraped_waiting + scraped_running - own_in_flight_then)
+    waiting = min(total, max(0.0, scraped_waiting - own_queued_then))
+    return waiting, total - waiting
 
 
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:

@@ -17,6 +17,7 @@ from router.scoring import (
     ReplicaInput,
     ScoringWeights,
     combine_load,
+    foreign_load,
     index_trust,
     pick,
     rank_replicas,
@@ -37,12 +38,13 @@ def inp(
     storage: int = 0,
     queued: float = 0.0,
     decode: float = 0.0,
+    load: LoadTerms | None = None,
     **kw: object,
 ) -> ReplicaInput:
     return ReplicaInput(
         replica=replica,
         hit=ReplicaHit(gpu, cpu, storage),
-        load=LoadTerms(queued_prefill_tokens=queued, decode_load=decode),
+        load=load or LoadTerms(queued_prefill_tokens=queued, decode_load=decode),
         **kw,  # type: ignore[arg-type]
     )
 
@@ -159,22 +161,49 @@ def test_event_lag_counts_against_the_horizon() -> None:
 @pytest.mark.parametrize(
     ("kw", "queued", "decode", "known"),
     [
-        (dict(own_queued_requests=0, own_queued_prefill_tokens=0, own_decoding=0,
-              scraped_waiting=None, scraped_running=None), 0, 0, False),
+        (dict(own_queued_prefill_tokens=0, own_decoding=0), 0, 0, False),
         # own accounting only (stale scrape): unknown scrape is not zero
-        (dict(own_queued_requests=2, own_queued_prefill_tokens=300, own_decoding=5,
-              scraped_waiting=None, scraped_running=None), 300, 5, True),
-        # 3 waiting of which 2 are ours: 1 foreign request at 512 tokens
-        (dict(own_queued_requests=2, own_queued_prefill_tokens=300, own_decoding=5,
-              scraped_waiting=3, scraped_running=9), 812, 9, True),
-        # the scrape lags behind us: never negative, never below our own count
-        (dict(own_queued_requests=4, own_queued_prefill_tokens=300, own_decoding=5,
-              scraped_waiting=1, scraped_running=2), 300, 5, True),
+        (dict(own_queued_prefill_tokens=300, own_decoding=5), 300, 5, True),
+        # one foreign waiting request at 512 tokens, 4 foreign running
+        (dict(own_queued_prefill_tokens=300, own_decoding=5, foreign_waiting=1,
+              foreign_running=4), 812, 9, True),
+        # the scrape is 10 ms old: the foreign queue drained 200 tokens at 20k tok/s
+        (dict(own_queued_prefill_tokens=300, own_decoding=5, foreign_waiting=1,
+              foreign_running=0, scrape_age_s=0.01, prefill_tokens_per_s=20000), 612, 5, True),
+        # long ago: the foreign backlog is gone, never negative
+        (dict(own_queued_prefill_tokens=0, own_decoding=0, foreign_waiting=3,
+              foreign_running=0, scrape_age_s=5, prefill_tokens_per_s=20000), 0, 0, True),
+        (dict(own_queued_prefill_tokens=0, own_decoding=0, placements=-2), 0, 0, False),
     ],
 )
 def test_combine_load(kw: dict[str, float], queued: float, decode: float, known: bool) -> None:
     load = combine_load(foreign_prefill_tokens_per_request=512, **kw)  # type: ignore[arg-type]
     assert (load.queued_prefill_tokens, load.decode_load, load.known) == (queued, decode, known)
+    assert load.placements >= 0
+
+
+@pytest.mark.parametrize(
+    ("waiting", "running", "queued_then", "in_flight_then", "expected"),
+    [
+        (None, 3, 0, 0, (None, None)),
+        (0, 0, 0, 0, (0, 0)),
+        # 3 waiting + 2 running, of which ours: 2 queued and 3 in flight -> 1 + 1 foreign
+        (3, 2, 2, 3, (1, 1)),
+        # the scrape saw fewer than we had (they finished): no foreign load
+        (1, 1, 2, 4, (0, 0)),
+        # ours were all running at the scrape: the waiting ones are foreign
+        (2, 3, 0, 3, (2, 0)),
+    ],
+)
+def test_foreign_load(waiting: float | None, running: float, queued_then: int,
+                      in_flight_then: int, expected: tuple[float | None, float | None]) -> None:
+    assert foreign_load(scraped_waiting=waiting, scraped_running=running,
+                        own_queued_then=queued_then, own_in_flight_then=in_flight_then) == expected
+
+
+def test_recent_placements_cost_new_conversations() -> None:
+    crowded = inp(A, gpu=10, load=LoadTerms(placements=3))
+    assert score_replica(crowded, 1000, BS, W).score == pytest.approx(-840 - 3 * W.delta)
 
 
 # ------------------------------------------------------------------------------- pick
@@ -245,7 +274,8 @@ inputs = st.builds(
     ReplicaInput,
     replica=st.just(A),
     hit=st.builds(ReplicaHit, blocks, blocks, blocks),
-    load=st.builds(LoadTerms, queued_prefill_tokens=loads, decode_load=loads),
+    load=st.builds(LoadTerms, queued_prefill_tokens=loads, decode_load=loads,
+                   placements=st.floats(min_value=0, max_value=100)),
     freshness=fresh,
     horizon_s=horizons,
     age_s=seconds,
@@ -278,6 +308,15 @@ def test_more_decode_load_never_raises_the_score(
     x: ReplicaInput, prompt: int, more: float
 ) -> None:
     y = replace(x, load=replace(x.load, decode_load=x.load.decode_load + more))
+    assert score_replica(y, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
+
+
+@settings(max_examples=300, deadline=None)
+@given(inputs, tokens, st.floats(min_value=0, max_value=100))
+def test_more_recent_placements_never_raise_the_score(
+    x: ReplicaInput, prompt: int, more: float
+) -> None:
+    y = replace(x, load=replace(x.load, placements=x.load.placements + more))
     assert score_replica(y, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
 
 
