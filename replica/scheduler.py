@@ -137,7 +137,11 @@ class SchedulerStats:
     preemptions: int = 0
     finished: int = 0
     ttfts: list[float] = field(default_factory=list)
-    """TTFT samples not yet collected (the engine drains them)."""
+    """TTFT samples not yet collected (the metrics collector drains them)."""
+    queue_times: list[float] = field(default_factory=list)
+    """Arrival-to-first-admission samples not yet collected."""
+    e2e_latencies: list[float] = field(default_factory=list)
+    """Arrival-to-finish samples not yet collected."""
 
 
 class Scheduler:
@@ -275,6 +279,7 @@ class Scheduler:
                 req.num_cached_blocks = len(hit)
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = computed
+                    stats.queue_times.append(now - req.arrival_s)
                 if not req.num_preemptions:  # vLLM counts re-admissions separately
                     stats.prefix_queries += num_tokens
                     stats.prefix_hits += len(hit) * bs
@@ -339,6 +344,7 @@ class Scheduler:
                 req.finished = True
                 req.finish_s = now
                 stats.finished += 1
+                stats.e2e_latencies.append(now - req.arrival_s)
                 finished_any = True
                 self._release(req)
             out.append(req)

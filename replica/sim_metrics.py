@@ -11,7 +11,8 @@ Series (labels ``model_name``, ``engine``="0" as in vLLM's ``PrometheusStatLogge
 ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
 ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
 ``vllm:num_preemptions_total``, ``vllm:request_success_total{finished_reason}``,
-``vllm:time_to_first_token_seconds`` (vLLM's buckets; *simulated* seconds), and
+``vllm:time_to_first_token_seconds``, ``vllm:request_queue_time_seconds``,
+``vllm:e2e_request_latency_seconds`` (vLLM's buckets; *simulated* seconds), and
 ``vllm:cache_config_info`` (labels: the cache config fields and ``engine``, no model).
 """
 
@@ -36,6 +37,39 @@ TTFT_BUCKETS: tuple[float, ...] = (
     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )
 """vLLM 0.32's ``TIME_TO_FIRST_TOKEN_BUCKETS`` (``vllm/v1/metrics/buckets.py``)."""
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+"""vLLM 0.32's ``REQUEST_LATENCY_BUCKETS`` (e2e and queue-time histograms)."""
+
+
+class _Histogram:
+    """Cumulative bucket counts folded from drained samples."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def fold(self, samples: list[float]) -> None:
+        counts = self.counts
+        for x in samples:
+            counts[bisect.bisect_left(self.bounds, x)] += 1
+            self.total += x
+
+    def family(self, labels: list[str], values: list[str]) -> HistogramMetricFamily:
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip(self.bounds, self.counts, strict=False):
+            running += n
+            buckets.append((repr(float(bound)), running))
+        buckets.append(("+Inf", running + self.counts[-1]))
+        h = HistogramMetricFamily(self.name, self.doc, labels=labels)
+        h.add_metric(values, buckets, self.total)
+        return h
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,16 +78,14 @@ class _EngineCollector(Collector):
     def __init__(self, engine: SimEngine, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name, "0"]
-        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
-        self._ttft_sum = 0.0
-
-    def _fold_ttfts(self) -> None:
-        stats = self._engine.scheduler.stats
-        samples, stats.ttfts = stats.ttfts, []
-        counts = self._ttft_counts
-        for s in samples:
-            counts[bisect.bisect_left(TTFT_BUCKETS, s)] += 1
-            self._ttft_sum += s
+        self._ttft = _Histogram("vllm:time_to_first_token_seconds",
+                                "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self._queue = _Histogram("vllm:request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.",
+                                 REQUEST_LATENCY_BUCKETS)
+        self._e2e = _Histogram("vllm:e2e_request_latency_seconds",
+                               "Histogram of e2e request latency in seconds.",
+                               REQUEST_LATENCY_BUCKETS)
 
     def collect(self) -> Iterator[Metric]:
         eng = self._engine
@@ -95,20 +127,13 @@ class _EngineCollector(Collector):
         ok.add_metric([*lv, "length"], st.finished)
         yield ok
 
-        self._fold_ttfts()
-        buckets: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip(TTFT_BUCKETS, self._ttft_counts, strict=False):
-            running += n
-            buckets.append((repr(float(bound)), running))
-        running += self._ttft_counts[-1]
-        buckets.append(("+Inf", running))
-        h = HistogramMetricFamily(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            labels=names,
-        )
-        h.add_metric(lv, buckets, self._ttft_sum)
-        yield h
+        for hist, attr in ((self._ttft, "ttfts"), (self._queue, "queue_times"),
+                           (self._e2e, "e2e_latencies")):
+            samples = getattr(st, attr)
+            if samples:
+                setattr(st, attr, [])
+                hist.fold(samples)
+            yield hist.family(names, lv)
 
         cfg = eng.config
         info = {

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from index.events import ClearedEvent, StoredEvent, decode_batch
 from index.keys import block_keys
+from replica.engine import EngineConfig
 from replica.sim_server import SimHandle, start_sim
 from replica.tiny_tokenizer import build_tokenizer
 
@@ -178,7 +179,8 @@ async def test_metrics_and_event_sources(sim: SimHandle, http: aiohttp.ClientSes
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:num_preemptions_total"):
+                 "vllm:num_preemptions_total", "vllm:request_queue_time_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
         assert f'{name}{{' in text, name
     assert f'model_name="{MODEL}"' in text and 'engine="0"' in text
     assert 'vllm:cache_config_info{block_size="16"' in text and 'num_gpu_blocks="256"' in text
@@ -362,3 +364,41 @@ async def test_lora_adapter_is_served_and_isolated(
         async with http.post(f"{handle.url}/v1/chat/completions", json=body) as resp:
             again = await resp.json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_cpu_offload_events_and_host_hits(
+    tokenizer_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    cfg = EngineConfig(model=MODEL, num_blocks=1 + 40, time_scale=0.01, cpu_offload_blocks=200)
+    async with start_sim(tokenizer_dir, model=MODEL, engine=cfg) as handle:
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            assert handle.kv_events_endpoint
+            sub.connect(handle.kv_events_endpoint)
+            await asyncio.sleep(0.2)
+            first = _chat(LONG_TEXT, max_tokens=1)
+            other = _chat("unrelated words " * 40, max_tokens=1)  # ~410 tokens
+            for body in (first, other, first):  # ~430 + ~410 tokens > 640 in the pool
+                async with http.post(f"{handle.url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    last = await resp.json()
+            # The second prompt evicted the first's tail blocks from the GPU; the host tier
+            # serves them back, so the whole prompt (but its last token) is a hit again.
+            n = last["usage"]["prompt_tokens"]
+            assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+            assert handle.engine.scheduler.stats.prefix_hits < (n - 1) // 16 * 16
+            media = set()
+            while True:
+                try:
+                    _, _, payload = await asyncio.wait_for(sub.recv_multipart(), 0.5)
+                except TimeoutError:
+                    break
+                for ev in decode_batch(payload).events:
+                    if not isinstance(ev, ClearedEvent):
+                        media.add((type(ev).__name__, str(ev.medium)))
+            assert ("StoredEvent", "CPU") in media and ("RemovedEvent", "GPU") in media
+        finally:
+            sub.close(0)
+            ctx.term()
