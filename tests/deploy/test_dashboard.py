@@ -140,21 +140,30 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exported]:
-    """Scrape a live simulated replica and a live router in front of it, after one
-    request went through.  Their output is in the test's temporary folder."""
+    """Scrape a live simulated replica and a live router (``kv`` policy) in front of it,
+    after a two-turn conversation went through.  Their logs are in the temporary folder."""
     logs = tmp_path_factory.mktemp("scrape")
     tokenizer = build_tokenizer(logs / "tokenizer", template="llama3")
     sim_port, router_port = _free_port(), _free_port()
     sim = _kvroute(
         logs / "sim.log", "sim", "--host", "127.0.0.1", "--port", str(sim_port),
-        "--model", "tiny-llama", "--tokenizer", str(tokenizer), "--time-scale", "0",
+        "--model", "tiny-llama", "--tokenizer", str(tokenizer), "--block-size", "16",
+        "--time-scale", "0",
     )  # fmt: skip
     router: subprocess.Popen[bytes] | None = None
     try:
         _wait_http(f"http://127.0.0.1:{sim_port}/health", sim)
+        config = logs / "router.yaml"
+        config.write_text(yaml.safe_dump({
+            "policy": "kv",
+            "replicas": [{"id": "sim-0", "url": f"http://127.0.0.1:{sim_port}"}],
+            "scoring": {"models": [
+                {"name": "tiny-llama", "tokenizer": str(tokenizer), "block_size": 16},
+            ]},
+        }), encoding="utf-8")  # fmt: skip
         router = _kvroute(
             logs / "router.log", "serve", "--host", "127.0.0.1", "--port", str(router_port),
-            "--replica", f"http://127.0.0.1:{sim_port}",
+            "--config", str(config),
         )  # fmt: skip
         _wait_http(f"http://127.0.0.1:{router_port}/ready", router)
         _chat(router_port, sim_port)
@@ -173,16 +182,22 @@ def _chat(router_port: int, sim_port: int) -> None:
 
     _, models = _get(f"http://127.0.0.1:{sim_port}/v1/models")
     model = json.loads(models)["data"][0]["id"]
-    body = json.dumps({
-        "model": model, "max_tokens": 4,
-        "messages": [{"role": "user", "content": "Hello, how is the cache today?"}],
-    }).encode()  # fmt: skip
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{router_port}/v1/chat/completions", data=body,
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
-        assert resp.status == 200
+    messages = [
+        {"role": "system", "content": "You answer questions about caches. " * 8},
+        {"role": "user", "content": "Hello, how is the cache today?"},
+    ]
+    for _ in range(2):
+        body = json.dumps({"model": model, "max_tokens": 4, "messages": messages}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{router_port}/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json", "X-Session-ID": "dashboard"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - loopback
+            assert resp.status == 200
+            answer = json.loads(resp.read())["choices"][0]["message"]["content"]
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And tomorrow?"}]
+        time.sleep(0.3)  # let the KV events of the first turn reach the index
 
 
 # --- queries ----------------------------------------------------------------------------------
@@ -319,6 +334,11 @@ def test_the_live_scrape_saw_both_sides(exported: Exported) -> None:
     names = set(exported.labels)
     assert any(n.startswith("router_") for n in names)
     assert any(n.startswith("vllm:") for n in names)
-    # The request that went through left samples, with their labels.
+    # The requests that went through left samples, with their labels: so the label
+    # matchers of the dashboard were checked against real label sets.
     assert "replica" in exported.labels["router_ttfb_seconds_bucket"]
     assert exported.labels["router_upstream_requests_total"] >= {"replica", "outcome"}
+    assert exported.labels["router_receipt_prompt_tokens_total"] >= {"replica", "kind"}
+    assert exported.labels["router_receipts_total"] >= {"replica", "outcome"}
+    assert exported.labels["router_session_turns_total"] >= {"policy", "placement"}
+    assert exported.labels["router_decisions_total"] >= {"policy", "reason"}
