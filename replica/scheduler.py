@@ -142,6 +142,18 @@ class SchedulerStats:
     """Arrival-to-first-admission samples not yet collected."""
     e2e_latencies: list[float] = field(default_factory=list)
     """Arrival-to-finish samples not yet collected."""
+    fold_hook: Callable[[], None] | None = None
+    """Called when samples pile up (past ``max_pending``); the collector drains them."""
+    max_pending: int = 4096
+    """Without a hook, older samples are dropped past this many (bounded memory)."""
+
+    def overflow(self) -> None:
+        """Keep the pending sample lists bounded."""
+        if self.fold_hook is not None:
+            self.fold_hook()
+            return
+        for samples in (self.ttfts, self.queue_times, self.e2e_latencies):
+            del samples[: len(samples) - self.max_pending]
 
 
 class Scheduler:
@@ -351,6 +363,9 @@ class Scheduler:
         stats.generation_tokens += len(out)
         if finished_any:
             self.running = [r for r in self.running if not r.finished]
+            if len(stats.e2e_latencies) > stats.max_pending or \
+                    len(stats.ttfts) > stats.max_pending:
+                stats.overflow()
         return out
 
     # ---- helpers -------------------------------------------------------------------

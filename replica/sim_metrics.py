@@ -87,6 +87,16 @@ class _EngineCollector(Collector):
                                "Histogram of e2e request latency in seconds.",
                                REQUEST_LATENCY_BUCKETS)
 
+    def fold(self) -> None:
+        """Move the engine's pending latency samples into the histograms."""
+        st = self._engine.scheduler.stats
+        for hist, attr in ((self._ttft, "ttfts"), (self._queue, "queue_times"),
+                           (self._e2e, "e2e_latencies")):
+            samples = getattr(st, attr)
+            if samples:
+                setattr(st, attr, [])
+                hist.fold(samples)
+
     def collect(self) -> Iterator[Metric]:
         eng = self._engine
         st = eng.scheduler.stats
@@ -127,12 +137,8 @@ class _EngineCollector(Collector):
         ok.add_metric([*lv, "length"], st.finished)
         yield ok
 
-        for hist, attr in ((self._ttft, "ttfts"), (self._queue, "queue_times"),
-                           (self._e2e, "e2e_latencies")):
-            samples = getattr(st, attr)
-            if samples:
-                setattr(st, attr, [])
-                hist.fold(samples)
+        self.fold()
+        for hist in (self._ttft, self._queue, self._e2e):
             yield hist.family(names, lv)
 
         cfg = eng.config
@@ -162,7 +168,10 @@ class SimMetrics:
         self, engine: SimEngine, model_name: str, registry: CollectorRegistry | None = None
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        collector = _EngineCollector(engine, model_name)
+        self.registry.register(collector)
+        # Fold samples as they pile up, so an unscraped replica does not grow.
+        engine.scheduler.stats.fold_hook = collector.fold
 
     def render(self) -> bytes:
         """The exposition text for ``GET /metrics``."""

@@ -182,3 +182,14 @@ def test_host_tier_hit_counts_as_cached_and_costs_load_time() -> None:
     _drain(eng)
     assert again.num_cached_tokens == 96
     assert eng.scheduler.stats.prefix_hits == 0  # local (GPU) hits only
+
+
+def test_pending_latency_samples_stay_bounded_without_a_collector() -> None:
+    eng = _engine()
+    eng.scheduler.stats.max_pending = 10
+    for i in range(40):
+        eng.scheduler.add(_req(eng, f"r{i}", [i + 1] * 20, max_tokens=1), eng.now())
+        _drain(eng)
+    st_ = eng.scheduler.stats
+    assert st_.finished == 40
+    assert len(st_.e2e_latencies) <= 11 and len(st_.ttfts) <= 11
