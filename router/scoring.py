@@ -311,14 +311,24 @@ def foreign_load(
     return waiting, total - waiting
 
 
+def _tier_values(costs: CostModel) -> tuple[float, float]:
+    return (tier_value(costs.cpu_bandwidth_bytes_per_s, costs),
+            tier_value(costs.storage_bandwidth_bytes_per_s, costs))
+
+
 def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
     return max(0, min(a1, b1) - max(a0, b0))
 
 
 def score_replica(
-    inp: ReplicaInput, prompt_tokens: int, block_size: int, w: ScoringWeights
+    inp: ReplicaInput,
+    prompt_tokens: int,
+    block_size: int,
+    w: ScoringWeights,
+    tier_values: tuple[float, float] | None = None,
 ) -> ReplicaScore:
-    """Score one replica (see the module docstring)."""
+    """Score one replica (see the module docstring).  ``tier_values`` (CPU, storage) may
+    be passed precomputed for ``inp.costs``."""
     hit = inp.hit
     cap = max(0, (prompt_tokens - 1) // block_size) if block_size > 0 else 0
     usable = min(hit.blocks, cap)
@@ -334,14 +344,18 @@ def score_replica(
     p_hot = resident_probability(base, inp.horizon_s, w.horizon_spread)
     p_tail = resident_probability(base + max(0.0, inp.age_s), inp.horizon_s, w.horizon_spread)
 
-    v_cpu = tier_value(inp.costs.cpu_bandwidth_bytes_per_s, inp.costs)
-    v_sto = tier_value(inp.costs.storage_bandwidth_bytes_per_s, inp.costs)
-    weighted = 0.0
-    for t0, t1, value in ((0, g, 1.0), (g, g + c, v_cpu), (g + c, usable, v_sto)):
-        if t1 > t0:
-            weighted += value * (
-                p_hot * _overlap(t0, t1, 0, hot) + p_tail * _overlap(t0, t1, hot, usable)
-            )
+    if g == usable:  # all on GPU: the common case
+        weighted = p_hot * hot + p_tail * (usable - hot)
+    else:
+        if tier_values is None:
+            tier_values = _tier_values(inp.costs)
+        v_cpu, v_sto = tier_values
+        weighted = 0.0
+        for t0, t1, value in ((0, g, 1.0), (g, g + c, v_cpu), (g + c, usable, v_sto)):
+            if t1 > t0:
+                weighted += value * (
+                    p_hot * _overlap(t0, t1, 0, hot) + p_tail * _overlap(t0, t1, hot, usable)
+                )
     expected = block_size * p_index * weighted
     new_tokens = max(0.0, prompt_tokens - expected)
     score = (-w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
@@ -372,7 +386,13 @@ def rank_replicas(
     inputs: Sequence[ReplicaInput], prompt_tokens: int, block_size: int, w: ScoringWeights
 ) -> list[ReplicaScore]:
     """Score every replica; best first, ties in input order (``sorted`` is stable)."""
-    scores = [score_replica(i, prompt_tokens, block_size, w) for i in inputs]
+    cache: dict[int, tuple[CostModel, tuple[float, float]]] = {}
+    scores = []
+    for i in inputs:
+        entry = cache.get(id(i.costs))
+        if entry is None:
+            entry = cache[id(i.costs)] = (i.costs, _tier_values(i.costs))
+        scores.append(score_replica(i, prompt_tokens, block_size, w, entry[1]))
     scores.sort(key=lambda s: -s.score)
     return scores
 
