@@ -138,6 +138,11 @@ def _message(raw: object, content_format: ContentFormat) -> Message:
         raise InvalidPrompt("each message needs a string 'role'", param="messages")
     content = raw.get("content")
     parts: Sequence[Any]
+    if type(content) is str and role != "system":  # the common case, kept cheap
+        text: str | list[Any] = (
+            [{"type": "text", "text": content}] if content_format == "openai" else content
+        )
+        return _finish(raw, role, {"role": role, "content": text})
     if content is None:
         parts = []
     elif isinstance(content, str):
@@ -148,7 +153,10 @@ def _message(raw: object, content_format: ContentFormat) -> Message:
         raise InvalidPrompt("message 'content' must be a string or a list", param="messages")
     if role == "system":
         parts = _strip_billing_header(parts)
-    message: Message = {"role": role, "content": _content(parts, content_format)}
+    return _finish(raw, role, {"role": role, "content": _content(parts, content_format)})
+
+
+def _finish(raw: Mapping[str, Any], role: str, message: Message) -> Message:
     if role == "assistant":
         calls = raw.get("tool_calls")
         if "tool_calls" in raw and calls is not None:

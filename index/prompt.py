@@ -10,9 +10,9 @@ blocks only, the salt folded into block 0, the LoRA adapter name into every bloc
 segments (``index.segments``), each with a serial number that identifies its exact
 token ids.  The keyer memoises the hash chain state after each segment, keyed by
 (state before, segment serial), so a prompt that extends a previous one only hashes the
-blocks its new segments complete.  The memo is a bounded LRU; a miss only costs
-recomputation, and the result is always equal to ``block_keys`` over the whole token
-list (a property test checks this).
+blocks its new segments complete.  The memo is bounded (a trie of at most ``max_nodes``
+states, dropped whole when full); a miss only costs recomputation, and the result is
+always equal to ``block_keys`` over the whole token list (a property test checks this).
 
 ``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
 400).
@@ -20,8 +20,6 @@ list (a property test checks this).
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -97,64 +95,73 @@ class KeyContext:
 
 
 class _Node:
-    """Chain state after a prefix: full blocks so far, last key, leftover tokens."""
+    """Chain state after a prefix: full blocks so far, last key, leftover tokens, and
+    the states reached from here by each next segment (by serial)."""
 
-    __slots__ = ("ident", "keys", "last", "n_blocks", "tail")
+    __slots__ = ("children", "keys", "last", "n_blocks", "tail")
 
     def __init__(
         self,
-        ident: int,
         n_blocks: int,
         last: RequestKey | None,
         tail: tuple[int, ...],
         keys: list[RequestKey],
     ) -> None:
-        self.ident = ident
         self.n_blocks = n_blocks
         self.last = last
         self.tail = tail
         self.keys = keys
+        self.children: dict[int, _Node] = {}
 
 
 class PromptKeyer:
-    """Block keys of segmented prompts, memoised per (chain state, segment)."""
+    """Block keys of segmented prompts, memoised as a trie of (chain state, segment).
+
+    The trie holds at most ``max_nodes`` states.  When full it is dropped whole and
+    regrown (a generational reset): one prompt after a reset pays the cold cost, which
+    keeps every hit free of LRU bookkeeping.
+    """
 
     def __init__(self, *, max_nodes: int = DEFAULT_MAX_KEY_NODES) -> None:
         if max_nodes < 1:
             raise ValueError("max_nodes must be >= 1")
         self._max_nodes = max_nodes
-        self._ids = itertools.count(1)
+        self._nodes = 0
         self._roots: dict[KeyContext, _Node] = {}
-        self._steps: OrderedDict[tuple[int, int], _Node] = OrderedDict()
-        self.hits = 0
         self.misses = 0
+        self.resets = 0
 
     def keys(self, ctx: KeyContext, segments: Iterable[Segment]) -> list[RequestKey]:
         """``block_keys`` of the concatenated segment ids under ``ctx``."""
         node = self._roots.get(ctx)
         if node is None:
-            if len(self._roots) >= self._max_nodes:
-                self._roots.clear()
-            node = self._roots[ctx] = _Node(next(self._ids), 0, None, (), [])
-        steps = self._steps
+            node = self._roots[ctx] = _Node(0, None, (), [])
+            self._count_node()
         out: list[RequestKey] = []
+        misses = 0
         for serial, ids in segments:
             if not ids:
                 continue
-            step = (node.ident, serial)
-            child = steps.get(step)
+            child = node.children.get(serial)
             if child is None:
-                self.misses += 1
+                misses += 1
                 child = self._advance(ctx, node, ids)
-                steps[step] = child
-                if len(steps) > self._max_nodes:
-                    steps.popitem(last=False)
-            else:
-                self.hits += 1
-                steps.move_to_end(step)
-            out.extend(child.keys)
+                node.children[serial] = child
+                self._count_node()
+            if child.keys:
+                out.extend(child.keys)
             node = child
+        self.misses += misses
         return out
+
+    def _count_node(self) -> None:
+        self._nodes += 1
+        if self._nodes > self._max_nodes:
+            # Drop every memoised state; nodes already reached stay valid for the
+            # prompt being keyed (they are plain values), and regrow from the roots.
+            self._roots.clear()
+            self._nodes = 0
+            self.resets += 1
 
     def _advance(self, ctx: KeyContext, node: _Node, ids: Iterable[int]) -> _Node:
         bs = ctx.block_size
@@ -173,14 +180,12 @@ class PromptKeyer:
                 first_block_index=node.n_blocks,
             )
             last = new_keys[-1]
-        return _Node(
-            next(self._ids), node.n_blocks + full // bs, last, tuple(pending[full:]), new_keys
-        )
+        return _Node(node.n_blocks + full // bs, last, tuple(pending[full:]), new_keys)
 
     def clear(self) -> None:
         """Forget every memoised state."""
         self._roots.clear()
-        self._steps.clear()
+        self._nodes = 0
 
 
 __all__ = [

@@ -148,33 +148,37 @@ class SegmentEncoder:
         if not self.splittable or self._raw_split is None:
             return [self._whole(text, add_special_tokens=False)] if text else []
         out: list[Segment] = []
+        missing: dict[str, list[int]] = {}  # piece -> positions in ``out``
         added = self._added_ids
-        norm_split = self._norm_split
+        cache = self._cache
         for i, piece in enumerate(self._raw_split.split(text)):
             if i % 2:
                 tid = added[piece]
                 out.append((-tid - 1, (tid,)))
             elif piece:
-                if norm_split is None:
-                    out.append(self._lookup(piece))
-                    continue
-                for j, sub in enumerate(norm_split.split(piece)):
+                subs = [piece] if self._norm_split is None else self._norm_split.split(piece)
+                for j, sub in enumerate(subs):
                     if j % 2:
                         tid = added[sub]
                         out.append((-tid - 1, (tid,)))
                     elif sub:
-                        out.append(self._lookup(sub))
+                        seg = cache.get(sub)
+                        if seg is None:
+                            missing.setdefault(sub, []).append(len(out))
+                            out.append((0, ()))
+                        else:
+                            cache.move_to_end(sub)
+                            out.append(seg)
+                            self.stats.hits += 1
+        # New pieces are encoded one by one on this thread: the batch API would hand
+        # them to the tokenizers thread pool, whose wake-ups cost more than they save
+        # for the one or two new pieces of a turn (and which warns after a fork).
+        encode = self._tok.encode
+        for piece, positions in missing.items():
+            seg = self._store(piece, encode(piece, add_special_tokens=False).ids)
+            for at in positions:
+                out[at] = seg
         return out
-
-    def _lookup(self, piece: str) -> Segment:
-        cache = self._cache
-        seg = cache.get(piece)
-        if seg is not None:
-            cache.move_to_end(piece)
-            self.stats.hits += 1
-            return seg
-        ids = self._tok.encode(piece, add_special_tokens=False).ids
-        return self._store(piece, ids)
 
     def _whole(self, text: str, *, add_special_tokens: bool) -> Segment:
         key = ("\x01" if add_special_tokens else "\x00") + text
@@ -244,16 +248,81 @@ def _find(haystack: list[int], needle: list[int]) -> int:
     return -1
 
 
-def _alternation(tokens: list[str]) -> re.Pattern[str] | None:
-    if not tokens:
-        return None
-    ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
-    return re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+class _Splitter:
+    """Splits text around any of ``tokens``, leftmost-longest, like ``re.split`` with a
+    capturing alternation: ``[text, token, text, ..., token, text]``.
+
+    Special tokens nearly always share a first character (``<``), so the scan jumps
+    between occurrences of the first characters with ``str.find`` (memchr speed) and
+    tests the candidates there, longest first; with many distinct first characters it
+    uses the regex.
+    """
+
+    _MAX_FIRST_CHARS = 4
+
+    def __init__(self, tokens: list[str]) -> None:
+        ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
+        self._by_first: dict[str, list[str]] = {}
+        for tok in ordered:
+            self._by_first.setdefault(tok[0], []).append(tok)
+        self._regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+
+    def split(self, text: str) -> list[str]:
+        by_first = self._by_first
+        if len(by_first) > self._MAX_FIRST_CHARS:
+            return self._regex.split(text)
+        find = text.find
+        starts = text.startswith
+        if len(by_first) == 1:
+            return self._split_one(text, *next(iter(by_first.items())))
+        nexts = {c: find(c) for c in by_first}
+        out: list[str] = []
+        start = 0
+        while True:
+            at = min((i for i in nexts.values() if i >= 0), default=-1)
+            if at < 0:
+                break
+            end = at + 1
+            for tok in by_first[text[at]]:
+                if starts(tok, at):
+                    out.append(text[start:at])
+                    out.append(tok)
+                    start = end = at + len(tok)
+                    break
+            for c, i in nexts.items():
+                if 0 <= i < end:
+                    nexts[c] = find(c, end)
+        out.append(text[start:])
+        return out
+
+    @staticmethod
+    def _split_one(text: str, first: str, candidates: list[str]) -> list[str]:
+        find = text.find
+        starts = text.startswith
+        out: list[str] = []
+        start = 0
+        at = find(first)
+        while at >= 0:
+            for tok in candidates:
+                if starts(tok, at):
+                    out.append(text[start:at])
+                    out.append(tok)
+                    start = at + len(tok)
+                    at = find(first, start)
+                    break
+            else:
+                at = find(first, at + 1)
+        out.append(text[start:])
+        return out
+
+
+def _alternation(tokens: list[str]) -> _Splitter | None:
+    return _Splitter(tokens) if tokens else None
 
 
 def _build_splitters(
     tokenizer: Tokenizer, added: dict[int, Any]
-) -> tuple[re.Pattern[str] | None, re.Pattern[str] | None, str | None]:
+) -> tuple[_Splitter | None, _Splitter | None, str | None]:
     spec = json.loads(tokenizer.to_str())
     has_normalizer = spec.get("normalizer") is not None
     raw: list[str] = []

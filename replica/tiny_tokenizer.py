@@ -34,6 +34,9 @@ Contracts: deterministic (same arguments, byte-identical files) and fast (well u
 when the corpus is rich enough (the default corpus is); with a small custom corpus the
 BPE may stop early, and the vocabulary is then smaller.
 
+Command line: ``python -m replica.tiny_tokenizer OUT_DIR --template llama3`` prints the
+directory it wrote.
+
 What it does not do: download anything, or produce a tokenizer that is good at anything
 but being small, real and deterministic.
 """
@@ -119,8 +122,12 @@ LLAMA3_TEMPLATE = (
     "{%- endif -%}\n"
     "{%- set header = 'ipython' if message['role'] == 'tool' else message['role'] -%}\n"
     "{{- '<|start_header_id|>' ~ header ~ '<|end_header_id|>\\n\\n' -}}\n"
-    "{%- if message['content'] is defined and message['content'] is not none -%}"
-    "{{- text_of(message['content']) -}}{%- endif -%}\n"
+    "{%- set content = message['content'] -%}\n"
+    "{%- if content is string -%}{{- content -}}\n"
+    "{%- elif content is iterable and content is not mapping -%}\n"
+    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}\n"
+    "{%- endif -%}\n"
     "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}\n"
     "{%- for call in message['tool_calls'] -%}\n"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}\n"
@@ -170,8 +177,12 @@ CHATML_TEMPLATE = (
     "{{- raise_exception('Unknown role: ' ~ message['role']) -}}\n"
     "{%- endif -%}\n"
     "{{- '<|im_start|>' ~ message['role'] ~ '\\n' -}}\n"
-    "{%- if message['content'] is defined and message['content'] is not none -%}"
-    "{{- text_of(message['content']) -}}{%- endif -%}\n"
+    "{%- set content = message['content'] -%}\n"
+    "{%- if content is string -%}{{- content -}}\n"
+    "{%- elif content is iterable and content is not mapping -%}\n"
+    "{%- for part in content -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- endif -%}{%- endfor -%}\n"
+    "{%- endif -%}\n"
     "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}\n"
     "{%- for call in message['tool_calls'] -%}\n"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}\n"
@@ -332,6 +343,19 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m replica.tiny_tokenizer OUT_DIR [--template llama3|chatml]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train and write a tiny tokenizer.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--template", choices=["llama3", "chatml"], default="llama3")
+    parser.add_argument("--vocab-size", type=int, default=2000)
+    args = parser.parse_args(argv)
+    style: TemplateStyle = "chatml" if args.template == "chatml" else "llama3"
+    print(build_tokenizer(args.out_dir, template=style, vocab_size=args.vocab_size))
+
+
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
     "CHATML_TEMPLATE",
@@ -340,4 +364,9 @@ __all__ = [
     "TemplateStyle",
     "build_tokenizer",
     "default_corpus",
+    "main",
 ]
+
+
+if __name__ == "__main__":
+    main()

@@ -196,3 +196,18 @@ def test_warm_turn_encodes_only_new_pieces(registry: RendererRegistry) -> None:
     prompt = registry.render_chat({"model": "chatml", "messages": [*history, new_turn]})
     encoded = enc.stats.tokens_encoded - before
     assert 0 < encoded < 20 < prompt.num_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.text(alphabet="<|>ab x", min_size=1, max_size=4), min_size=1, max_size=6),
+    text=st.text(alphabet="<|>ab xy", max_size=40),
+)
+def test_splitter_is_leftmost_longest_like_the_regex(tokens: list[str], text: str) -> None:
+    import re
+
+    from index.segments import _Splitter
+
+    ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
+    regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
+    assert _Splitter(tokens).split(text) == regex.split(text)
