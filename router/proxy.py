@@ -146,7 +146,15 @@ class Proxy:
         self._passive = settings.health.passive_failures
         self._retry_after = max(1, round(settings.health.interval_s))
         self._urls: dict[tuple[ReplicaId, str], URL] = {}
-        self._requests_child: dict[tuple[str, int], Any] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _m(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: label sets are bounded, lookups are hot."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
@@ -156,13 +164,9 @@ class Proxy:
         try:
             status = await self._handle(scope, receive, send, endpoint)
         finally:
-            key = (endpoint, status)
-            child = self._requests_child.get(key)
-            if child is None:
-                child = self._requests_child[key] = self._metrics.requests.labels(
-                    endpoint, str(status))
-            child.inc()
-            self._metrics.request_duration.labels(endpoint).observe(self._clock() - t0)
+            m = self._metrics
+            self._m(m.requests, endpoint, str(status)).inc()
+            self._m(m.request_duration, endpoint).observe(self._clock() - t0)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> int:
         try:
@@ -194,7 +198,7 @@ class Proxy:
             return _CLIENT_GONE
         except RouterError as exc:
             return await _send_error(send, exc, request_id)
-        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        self._m(self._metrics.decisions, decision.policy, decision.reason).inc()
 
         stream = parsed is not None and endpoint != "other" and parsed.get("stream") is True
         strip = False
@@ -260,7 +264,7 @@ class Proxy:
         for i in range(attempts):
             replica = order[i]
             if i:
-                self._metrics.failovers.labels(order[i - 1]).inc()
+                self._m(self._metrics.failovers, order[i - 1]).inc()
                 delay = self._backoff.compute(i)
                 if delay:
                     await asyncio.sleep(delay)
@@ -269,7 +273,7 @@ class Proxy:
                 return await self._attempt(call, replica, prompt_tokens, send,
                                            last=i == attempts - 1)
             except _Retry as retry:
-                self._metrics.upstream_requests.labels(replica, retry.outcome).inc()
+                self._m(self._metrics.upstream_requests, replica, retry.outcome).inc()
                 if retry.outcome == "connect_error" and self._passive:
                     self._replicas.record_probe(replica, False)
                 last_error = retry.error
@@ -327,7 +331,7 @@ class Proxy:
     def _count(self, replica: ReplicaId, outcome: Outcome, status: int) -> None:
         if outcome == "ok" and status >= 400:
             outcome = "http_5xx" if status >= 500 else "http_4xx"
-        self._metrics.upstream_requests.labels(replica, outcome).inc()
+        self._m(self._metrics.upstream_requests, replica, outcome).inc()
 
     def _headers(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
                  length: int | None) -> list[tuple[bytes, bytes]]:
@@ -396,7 +400,7 @@ class Proxy:
     def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, t_up: float) -> None:
         lease.first_byte()
         call.ttfb_s = ttfb = self._clock() - t_up
-        self._metrics.ttfb.labels(replica).observe(ttfb)
+        self._m(self._metrics.ttfb, replica).observe(ttfb)
 
     async def _pump(self, call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
                     tap: UsageTap | None, send: Send) -> Outcome:

@@ -1,0 +1,428 @@
+"""Proxy-overhead benchmark: direct-to-replica against through-the-router, in one run.
+
+``python -m bench.proxy_overhead [--replicas N] [--out FILE] [--phase-s S]``
+
+* N fake replicas that answer at once run in one child process (raw asyncio + httptools,
+  so they cost little); the router is started as a child process with ``kvroute serve``
+  (this module never imports ``router``: it talks HTTP only).
+* The body is a realistic multi-turn chat: a ~1,500-token system prompt and ten turns,
+  about 25 KB of JSON; streaming and non-streaming.
+* The load generator is a lean keep-alive HTTP/1.1 client on raw asyncio streams (uvloop),
+  one connection per concurrent worker, so it measures the router, not itself.
+* On a machine with 2+ CPUs the router is pinned to CPU 1 and the load generator and
+  replicas to CPU 0 ("the load generator on the other core"); ``--no-pin`` turns it off.
+
+Measured: at concurrency 1, latency p50/p99 direct and routed and the added latency; for
+streams also time to first body byte (TTFB); at concurrency 32 and 128, requests/s direct
+and routed.  Prints a table with ratios and writes JSON (``--out``).  Bounded: every
+phase runs for ``--phase-s`` seconds, ``--rounds`` interleaved rounds per cell with the
+best kept (defaults 1.2 s x 3: the whole run takes about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his "
+         "from at which but have an they you were her she there been one all we their "
+         "model cache token block router replica prefix request stream latency").split()
+
+
+def chat_body(stream: bool, seed: int = 0) -> bytes:
+    """A ~25 KB multi-turn chat: a ~1,500-token system prompt plus ten turns."""
+    rng = random.Random(seed)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(words))
+
+    messages = [{"role": "system", "content": text(1500)}]
+    for _ in range(10):
+        messages.append({"role": "user", "content": text(180)})
+        messages.append({"role": "assistant", "content": text(220)})
+    messages.append({"role": "user", "content": text(60)})
+    body: dict[str, Any] = {"model": "bench-model", "messages": messages, "max_tokens": 16,
+                            "stream": stream}
+    return json.dumps(body).encode()
+
+
+# --------------------------------------------------------------------------- replicas
+_JSON = json.dumps({
+    "id": "cmpl-bench", "object": "chat.completion", "model": "bench-model",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16},
+                 "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 6000, "completion_tokens": 16, "total_tokens": 6016},
+}).encode()
+_SSE = b"".join(
+    b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
+                            "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}).encode()
+    + b"\n\n" for i in range(4)
+) + b"data: [DONE]\n\n"
+_MODELS = json.dumps({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
+
+
+def _response(status: str, ctype: bytes, body: bytes, chunked: bool = False) -> bytes:
+    if chunked:
+        return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype
+                + b"\r\ntransfer-encoding: chunked\r\n\r\n"
+                + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype
+            + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_R_JSON = _response("200 OK", b"application/json", _JSON)
+_R_SSE = _response("200 OK", b"text/event-stream", _SSE, chunked=True)
+_R_MODELS = _response("200 OK", b"application/json", _MODELS.encode())
+_R_HEALTH = _response("200 OK", b"text/plain", b"")
+
+
+class _ReplicaProtocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        import httptools
+
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._stream = False
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._stream = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_body(self, body: bytes) -> None:
+        if b'"stream": true' in body or b'"stream":true' in body:
+            self._stream = True
+
+    def on_message_complete(self) -> None:
+        assert self._transport is not None
+        url = self._url
+        if url.startswith(b"/v1/chat") or url.startswith(b"/v1/completions"):
+            self._transport.write(_R_SSE if self._stream else _R_JSON)
+        elif url.startswith(b"/v1/models"):
+            self._transport.write(_R_MODELS)
+        else:
+            self._transport.write(_R_HEALTH)
+
+
+def _serve_replicas(ports: list[int]) -> None:
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        servers = [await loop.create_server(_ReplicaProtocol, "127.0.0.1", p, backlog=1024)
+                   for p in ports]
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        print("ready", flush=True)
+        await stop.wait()
+        for s in servers:
+            s.close()
+
+    uvloop.run(main())
+
+
+# --------------------------------------------------------------------------- client
+class _Conn:
+    """One keep-alive HTTP/1.1 connection; requests are pre-built bytes."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, port: int) -> _Conn:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
+
+    async def request(self, payload: bytes) -> tuple[float, float]:
+        """Send one request; returns (latency, time to first body byte)."""
+        t0 = time.perf_counter()
+        self.writer.write(payload)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"bad response: {head[:80]!r}")
+        lower = head.lower()
+        i = lower.find(b"content-length:")
+        if i >= 0:
+            n = int(lower[i + 15:lower.index(b"\r\n", i)])
+            await self.reader.readexactly(n)
+            t = time.perf_counter() - t0
+            return t, t
+        # chunked
+        ttfb = 0.0
+        while True:
+            size_line = await self.reader.readuntil(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            if not ttfb:
+                ttfb = time.perf_counter() - t0
+            await self.reader.readexactly(size + 2)
+            if size == 0:
+                return time.perf_counter() - t0, ttfb
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _request_bytes(port: int, body: bytes) -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:" + str(port).encode()
+            + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+@dataclass
+class PhaseResult:
+    """One measured phase."""
+
+    target: str
+    stream: bool
+    concurrency: int
+    requests: int
+    seconds: float
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    ttfb_p50_ms: float
+    router_cpu_us_per_request: float | None = None
+    """Router process CPU (user + system) per request: robust to a busy machine, and
+    ``1e6 / value`` is the rate one dedicated core would sustain."""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _phase(ports: list[int], target: str, body: bytes, stream: bool, concurrency: int,
+                 seconds: float, cpu_pid: int | None = None) -> PhaseResult:
+    conns = [await _Conn.open(ports[i % len(ports)]) for i in range(concurrency)]
+    payloads = [_request_bytes(ports[i % len(ports)], body) for i in range(concurrency)]
+    lat: list[float] = []
+    ttfbs: list[float] = []
+    warm_until = time.perf_counter() + min(0.3, seconds / 5)
+    # warm-up: not recorded
+    async def run(i: int, until: float, record: bool) -> None:
+        conn, payload = conns[i], payloads[i]
+        while time.perf_counter() < until:
+            t, f = await conn.request(payload)
+            if record:
+                lat.append(t)
+                ttfbs.append(f)
+
+    await asyncio.gather(*(run(i, warm_until, False) for i in range(concurrency)))
+    cpu0 = _cpu_seconds(cpu_pid) if cpu_pid is not None else 0.0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(i, t0 + seconds, True) for i in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    cpu = (_cpu_seconds(cpu_pid) - cpu0) / max(1, len(lat)) * 1e6 if cpu_pid else None
+    for c in conns:
+        c.close()
+    lat.sort()
+    ttfbs.sort()
+    return PhaseResult(target, stream, concurrency, len(lat), elapsed, len(lat) / elapsed,
+                       _pct(lat, 50) * 1e3, _pct(lat, 99) * 1e3, _pct(ttfbs, 50) * 1e3, cpu)
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+# --------------------------------------------------------------------------- orchestration
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_http(port: int, path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"port {port} did not answer {path} with 200")
+
+
+def _pin(pid: int, cpus: set[int], enabled: bool) -> None:
+    if enabled and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(pid, cpus)
+
+
+async def _measure(replica_ports: list[int], router_port: int, phase_s: float, rounds: int,
+                   router_pid: int) -> list[PhaseResult]:
+    """Every (mode, concurrency) cell: ``rounds`` interleaved direct/router phases; the
+    best round of each target is kept (noise from other processes only slows things)."""
+    results: list[PhaseResult] = []
+    for stream in (False, True):
+        body = chat_body(stream)
+        for concurrency in (1, 32, 128):
+            runs: dict[str, list[PhaseResult]] = {"direct": [], "router": []}
+            for _ in range(rounds):
+                for target, ports in (("direct", replica_ports), ("router", [router_port])):
+                    pid = router_pid if target == "router" else None
+                    runs[target].append(
+                        await _phase(ports, target, body, stream, concurrency, phase_s, pid))
+            for target, phases in runs.items():
+                best = (min(phases, key=lambda r: r.p50_ms) if concurrency == 1
+                        else max(phases, key=lambda r: r.rps))
+                results.append(best)
+                print(f"  {'stream' if stream else 'plain ':6} c={concurrency:<3} {target:6} "
+                      f"{best.rps:8.0f} req/s  p50 {best.p50_ms:6.3f} ms  "
+                      f"p99 {best.p99_ms:7.3f} ms  ttfb p50 {best.ttfb_p50_ms:6.3f} ms  "
+                      f"(rounds: {', '.join(f'{r.rps:.0f}' for r in phases)} req/s)"
+                      + (f"  router CPU {best.router_cpu_us_per_request:.0f} us/req"
+                         if best.router_cpu_us_per_request is not None else ""),
+                      flush=True)
+    return results
+
+
+def _summary(results: list[PhaseResult]) -> dict[str, Any]:
+    def get(target: str, stream: bool, c: int) -> PhaseResult:
+        return next(r for r in results
+                    if r.target == target and r.stream == stream and r.concurrency == c)
+
+    out: dict[str, Any] = {}
+    for stream in (False, True):
+        key = "stream" if stream else "non_stream"
+        d1, r1 = get("direct", stream, 1), get("router", stream, 1)
+        entry: dict[str, Any] = {
+            "added_p50_ms": r1.p50_ms - d1.p50_ms,
+            "added_p99_ms": r1.p99_ms - d1.p99_ms,
+            "latency_ratio_p50": r1.p50_ms / d1.p50_ms,
+        }
+        if stream:
+            entry["ttfb_direct_p50_ms"] = d1.ttfb_p50_ms
+            entry["ttfb_router_p50_ms"] = r1.ttfb_p50_ms
+            entry["added_ttfb_p50_ms"] = r1.ttfb_p50_ms - d1.ttfb_p50_ms
+        for c in (32, 128):
+            d, r = get("direct", stream, c), get("router", stream, c)
+            entry[f"rps_c{c}_direct"] = d.rps
+            entry[f"rps_c{c}_router"] = r.rps
+            entry[f"rps_c{c}_ratio"] = r.rps / d.rps
+            if r.router_cpu_us_per_request:
+                entry[f"router_cpu_us_per_request_c{c}"] = r.router_cpu_us_per_request
+                entry[f"rps_c{c}_router_one_core"] = 1e6 / r.router_cpu_us_per_request
+        out[key] = entry
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    p = argparse.ArgumentParser(prog="python -m bench.proxy_overhead",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--replicas", type=int, default=2, help="fake replicas (default 2)")
+    p.add_argument("--phase-s", type=float, default=1.2,
+                   help="seconds per measured phase (default 1.2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved direct/router rounds per cell; the best is kept "
+                   "(default 3; 12 cells x rounds phases in all)")
+    p.add_argument("--policy", default="round_robin",
+                   help="the router's policy (default round_robin: the proxy's own cost)")
+    p.add_argument("--out", default="/tmp/kvroute-proxy-overhead.json",
+                   help="where to write the JSON results")
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    args = p.parse_args(argv)
+    pin = not args.no_pin and (os.cpu_count() or 1) >= 2
+
+    replica_ports = [_free_port() for _ in range(args.replicas)]
+    router_port = _free_port()
+    here = os.getpid()
+    _pin(here, {0}, pin)
+    replicas = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from bench.proxy_overhead import _serve_replicas; "
+         "_serve_replicas([int(p) for p in sys.argv[1:]])", *map(str, replica_ports)],
+        stdout=subprocess.PIPE,
+    )
+    kvroute = str(Path(sys.executable).with_name("kvroute"))
+    cmd = [kvroute, "serve", "--host", "127.0.0.1", "--port", str(router_port),
+           "--log-level", "warning", "--policy", args.policy]
+    for port in replica_ports:
+        cmd += ["--replica", f"http://127.0.0.1:{port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    router = subprocess.Popen(cmd, env=env)
+    try:
+        _pin(replicas.pid, {0}, pin)
+        _pin(router.pid, {1}, pin)
+        for port in replica_ports:
+            _wait_http(port, "/health")
+        _wait_http(router_port, "/ready")
+        body_kb = len(chat_body(False)) / 1024
+        print(f"proxy overhead: {args.replicas} replicas, body {body_kb:.1f} KB, "
+              f"{args.rounds} x {args.phase_s}s per cell and target, policy {args.policy}, "
+              f"pinned={pin}, load average {os.getloadavg()[0]:.1f}", flush=True)
+        import uvloop
+
+        load_before = os.getloadavg()
+        results = uvloop.run(_measure(replica_ports, router_port, args.phase_s, args.rounds,
+                                               router.pid))
+        load_after = os.getloadavg()
+    finally:
+        for proc in (router, replicas):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (router, replicas):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if replicas.stdout is not None:
+            replicas.stdout.close()
+    summary = _summary(results)
+    report = {
+        "replicas": args.replicas, "phase_s": args.phase_s, "rounds": args.rounds,
+        "policy": args.policy, "pinned": pin,
+        "loadavg_before": load_before, "loadavg_after": load_after,
+        "body_bytes": len(chat_body(False)), "cpus": os.cpu_count(),
+        "summary": summary, "phases": [asdict(r) for r in results],
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print()
+    for key, entry in summary.items():
+        line = (f"{key:10}: added p50 {entry['added_p50_ms']:.3f} ms, p99 "
+                f"{entry['added_p99_ms']:.3f} ms; c32 {entry['rps_c32_router']:.0f} req/s "
+                f"({entry['rps_c32_ratio']:.2f}x direct); c128 "
+                f"{entry['rps_c128_router']:.0f} req/s ({entry['rps_c128_ratio']:.2f}x)")
+        if "rps_c32_router_one_core" in entry:
+            line += (f"; router CPU {entry['router_cpu_us_per_request_c32']:.0f} us/req at c32 "
+                     f"(= {entry['rps_c32_router_one_core']:.0f} req/s on a dedicated core)")
+        if "added_ttfb_p50_ms" in entry:
+            line += f"; ttfb p50 +{entry['added_ttfb_p50_ms']:.3f} ms"
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
