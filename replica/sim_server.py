@@ -130,6 +130,8 @@ class SimServer:
         self._engine_task: asyncio.Task[None] | None = None
         self._never = asyncio.Event()
         self._crashed = False
+        self._engine_dead = False
+        self._waiters: set[asyncio.Event] = set()
         self.port = settings.port
         self.created = int(time.time())
 
@@ -155,6 +157,7 @@ class SimServer:
         if self.publisher is not None:
             await self.publisher.start()
         self._engine_task = asyncio.create_task(self.engine.run(), name="sim-engine")
+        self._engine_task.add_done_callback(self._engine_done)
         app = self._build_app()
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                      shutdown_timeout=1.0)
@@ -174,7 +177,7 @@ class SimServer:
         if runner is not None:
             await runner.cleanup()
         task, self._engine_task = self._engine_task, None
-        if task is not None:
+        if task is not None and not task.done():  # a dead engine was reported already
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -191,6 +194,17 @@ class SimServer:
                 if transport is not None:
                     transport.abort()
         await self.aclose()
+
+    def _engine_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            # Like vLLM's EngineDeadError: /health turns 503 and generation fails.
+            self._engine_dead = True
+            log.error("simulated engine died", exc_info=exc)
+            for wake in self._waiters:
+                wake.set()
 
     def _crash(self) -> None:
         if self._on_crash is not None:
@@ -231,7 +245,7 @@ class SimServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         await self._gate()
-        return web.Response(status=200)
+        return web.Response(status=503 if self._engine_dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         return _json({"version": VLLM_VERSION})
@@ -433,6 +447,8 @@ class SimServer:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         await self._gate()
+        if self._engine_dead:
+            return _error(503, "The engine is dead", "EngineDeadError")
         status = self.faults.take_error()
         if status is not None:
             return _error(status, "Simulated failure", "InternalServerError")
@@ -463,17 +479,21 @@ class SimServer:
             stream=bool(body.get("stream")),
         )
         self.engine.submit(req)
+        self._waiters.add(wake)
         try:
             if body.get("stream"):
                 return await self._stream(request, req, wake, body, chat)
             while not req.finished:
                 wake.clear()
                 await wake.wait()
+                if self._engine_dead:
+                    return _error(503, "The engine is dead", "EngineDeadError")
             if self.faults.slow_first_token_s > 0:
                 await asyncio.sleep(self.faults.slow_first_token_s)
             return _json(self._full_body(req, chat, _wants_timing(body)))
         finally:
-            if not req.finished:
+            self._waiters.discard(wake)
+            if not req.finished and not self._engine_dead:
                 self.engine.abort(req)
 
     def _usage(self, req: SimRequest, timing: bool = False) -> dict[str, Any]:
@@ -555,6 +575,12 @@ class SimServer:
             while req.num_output == sent and not req.finished:
                 wake.clear()
                 await wake.wait()
+                if self._engine_dead:  # after the first byte: an error event, then close
+                    await resp.write(b'data: {"error": {"message": "The engine is dead", '
+                                     b'"type": "EngineDeadError", "param": null, '
+                                     b'"code": 503}}\n\n')
+                    await resp.write_eof()
+                    return resp
             if first and self.faults.slow_first_token_s > 0:
                 await asyncio.sleep(self.faults.slow_first_token_s)
             out = bytearray()

@@ -18,6 +18,7 @@ import zmq.asyncio
 from index.events import ClearedEvent, StoredEvent, decode_batch
 from index.keys import block_keys
 from replica.engine import EngineConfig
+from replica.scheduler import SimRequest, StepPlan
 from replica.sim_server import SimHandle, start_sim
 from replica.tiny_tokenizer import build_tokenizer
 
@@ -402,3 +403,27 @@ async def test_cpu_offload_events_and_host_hits(
         finally:
             sub.close(0)
             ctx.term()
+
+
+async def test_engine_death_fails_requests_and_health(
+    tokenizer_dir: Path, http: aiohttp.ClientSession
+) -> None:
+    async with start_sim(tokenizer_dir, model=MODEL, time_scale=1.0) as handle:
+        sched = handle.engine.scheduler
+
+        def broken(plan: StepPlan, now: float) -> list[SimRequest]:
+            raise RuntimeError("injected engine bug")
+
+        async def long_request() -> tuple[int, dict[str, Any]]:
+            async with http.post(f"{handle.url}/v1/chat/completions",
+                                 json=_chat("x", max_tokens=500)) as resp:
+                return resp.status, await resp.json()
+
+        task = asyncio.create_task(long_request())
+        while not sched.running:
+            await asyncio.sleep(0.01)
+        sched.finish_step = broken  # type: ignore[method-assign]
+        status, body = await asyncio.wait_for(task, 5)
+        assert status == 503 and body["error"]["type"] == "EngineDeadError"
+        async with http.get(f"{handle.url}/health") as resp:
+            assert resp.status == 503
