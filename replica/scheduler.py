@@ -152,8 +152,9 @@ class SchedulerStats:
         if self.fold_hook is not None:
             self.fold_hook()
             return
+        keep = self.max_pending // 2  # drop in halves, not one sample per step
         for samples in (self.ttfts, self.queue_times, self.e2e_latencies):
-            del samples[: len(samples) - self.max_pending]
+            del samples[: max(len(samples) - keep, 0)]
 
 
 class Scheduler:
