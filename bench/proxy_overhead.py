@@ -141,6 +141,29 @@ def _serve_replicas(ports: list[int]) -> None:
     uvloop.run(main())
 
 
+async def _echo_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A bare ASGI app that reads the body and answers the fixed JSON (calibration)."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(_JSON)).encode())]})
+    await send({"type": "http.response.body", "body": _JSON})
+
+
+def _serve_echo(port: int) -> None:
+    """Bare uvicorn (uvloop, httptools) serving ``_echo_app``: what a Python ASGI server
+    costs per request on this machine right now, to normalise the router's cost."""
+    import uvicorn
+
+    uvicorn.run(_echo_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                lifespan="off", access_log=False, log_level="warning")
+
+
 # --------------------------------------------------------------------------- client
 class _Conn:
     """One keep-alive HTTP/1.1 connection; requests are pre-built bytes."""
@@ -337,6 +360,27 @@ def _summary(results: list[PhaseResult]) -> dict[str, Any]:
     return out
 
 
+def _calibrate(phase_s: float, pin: bool) -> PhaseResult:
+    """Bare uvicorn's CPU per request at concurrency 32 (same body, same client)."""
+    import uvloop
+
+    port = _free_port()
+    echo = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from bench.proxy_overhead import _serve_echo; "
+         "_serve_echo(int(sys.argv[1]))", str(port)])
+    try:
+        _pin(echo.pid, {1}, pin)
+        _wait_http(port, "/")
+        result = uvloop.run(_phase([port], "bare_uvicorn", chat_body(False), False, 32, phase_s,
+                                   echo.pid))
+    finally:
+        echo.send_signal(signal.SIGTERM)
+        echo.wait(timeout=10)
+    print(f"  calibration: bare uvicorn c=32 {result.rps:.0f} req/s, "
+          f"CPU {result.router_cpu_us_per_request:.0f} us/req", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     p = argparse.ArgumentParser(prog="python -m bench.proxy_overhead",
@@ -386,8 +430,9 @@ def main(argv: list[str] | None = None) -> int:
 
         load_before = os.getloadavg()
         results = uvloop.run(_measure(replica_ports, router_port, args.phase_s, args.rounds,
-                                               router.pid))
+                                      router.pid))
         load_after = os.getloadavg()
+        calibration = _calibrate(args.phase_s, pin)
     finally:
         for proc in (router, replicas):
             proc.send_signal(signal.SIGTERM)
@@ -406,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": load_before, "loadavg_after": load_after,
         "body_bytes": len(chat_body(False)), "cpus": os.cpu_count(),
         "summary": summary, "phases": [asdict(r) for r in results],
+        "calibration_bare_uvicorn": asdict(calibration),
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print()
@@ -420,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         if "added_ttfb_p50_ms" in entry:
             line += f"; ttfb p50 +{entry['added_ttfb_p50_ms']:.3f} ms"
         print(line)
+    bare = calibration.router_cpu_us_per_request or float("nan")
+    for key, entry in summary.items():
+        ratio = entry["router_cpu_us_per_request_c32"] / bare
+        entry["router_cpu_vs_bare_uvicorn_c32"] = ratio
+        print(f"{key:10}: router CPU per request = {ratio:.1f}x bare uvicorn's ({bare:.0f} us "
+              f"here now)")
+    Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
 
