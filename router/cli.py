@@ -48,8 +48,9 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
                    help="YAML file with any settings (replicas, timeouts, health, failover, "
                    "index, scoring, ...)")
     p.add_argument("--policy", metavar="NAME", default=None,
-                   help="default routing policy, e.g. round_robin, least_loaded, random "
-                   "(default round_robin; setting: policy)")
+                   help="routing policy: kv (KV-cache aware, the default), session, "
+                   "round_robin, least_loaded or random; a request may pick another with "
+                   "the X-KVRoute-Policy header (setting: policy)")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; setting: log_level)")
