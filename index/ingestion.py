@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from redis.exceptions import RedisError
 
+from index._tasks import reraise_if_cancelling
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
 from index.status import SourceStatus, status_from_json, status_to_json
@@ -278,6 +279,7 @@ class KVEventIngestion:
         ns = ls.key_prefix.rstrip(":")
         ttl_ms = int(max(ls.ttl_s * 3, ls.status_interval_s * 3) * 1000)
         while True:
+            reraise_if_cancelling()  # a client library may have eaten our cancellation
             await asyncio.sleep(ls.status_interval_s)
             try:
                 async with asyncio.timeout(max(1.0, ls.status_interval_s)):
@@ -299,4 +301,5 @@ class KVEventIngestion:
                             continue
                 self._remote = remote
             except (TimeoutError, RedisError, OSError) as exc:
+                reraise_if_cancelling()
                 log.debug("status publication failed: %s", exc)

@@ -18,7 +18,6 @@ does not matter.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -26,6 +25,8 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from index._tasks import reraise_if_cancelling
 
 __all__ = ["RedisLease", "run_with_lease"]
 
@@ -90,6 +91,7 @@ class RedisLease:
                     self._granted(sent)
                     return True
         except (TimeoutError, RedisError, OSError) as exc:
+            reraise_if_cancelling()
             log.debug("lease %s: acquire failed: %s", self.key, exc)
         return False
 
@@ -100,6 +102,7 @@ class RedisLease:
             async with asyncio.timeout(self._timeout):
                 ok = await self._renew(keys=[self.key], args=[self.owner, int(self.ttl_s * 1000)])
         except (TimeoutError, RedisError, OSError) as exc:
+            reraise_if_cancelling()
             log.debug("lease %s: renew failed: %s", self.key, exc)
             return False
         if ok:
@@ -123,10 +126,24 @@ class RedisLease:
             async with asyncio.timeout(self._timeout):
                 value = await self._r.get(self.key)
         except (TimeoutError, RedisError, OSError):
+            reraise_if_cancelling()
             return None
         if value is None:
             return None
         return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for it, without swallowing a cancellation of our own."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # noqa: BLE001 - reported by the caller through task.exception()
+        pass
 
 
 async def run_with_lease(
@@ -140,6 +157,7 @@ async def run_with_lease(
     period = lease.ttl_s / 3
     try:
         while True:
+            reraise_if_cancelling()
             if not await lease.try_acquire():
                 if on_standby is not None:
                     on_standby()
@@ -149,6 +167,7 @@ async def run_with_lease(
             worker = asyncio.create_task(work(), name=f"leased:{lease.key}")
             try:
                 while not worker.done():
+                    reraise_if_cancelling()
                     done, _ = await asyncio.wait({worker}, timeout=period)
                     if done:
                         break
@@ -157,13 +176,8 @@ async def run_with_lease(
                         log.warning("lease %s lost by %s", lease.key, lease.owner)
                         break
             finally:
-                if not worker.done():
-                    worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await worker
-            if not worker.cancelled():
-                exc = worker.exception()
-                if exc is not None:
-                    raise exc
+                await _cancel_and_wait(worker)
+            if not worker.cancelled() and worker.exception() is not None:
+                raise RuntimeError(f"leased work for {lease.key} failed") from worker.exception()
     finally:
         await asyncio.shield(lease.release())

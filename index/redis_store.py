@@ -56,6 +56,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from index._tasks import reraise_if_cancelling
 from index.masks import scan_masks
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp, IndexUnavailable
 from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
@@ -131,8 +132,10 @@ class RedisIndex:
             async with asyncio.timeout(timeout):
                 return await aw()
         except TimeoutError as exc:
+            reraise_if_cancelling()
             raise IndexUnavailable(f"redis did not answer within {timeout:g} s") from exc
         except (RedisError, OSError) as exc:
+            reraise_if_cancelling()
             raise IndexUnavailable(f"redis: {exc}") from exc
 
     async def _check_meta(self) -> None:

@@ -51,6 +51,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from index._tasks import reraise_if_cancelling
 from index.events import UndecodableBatch, decode_batch
 from index.ingest import BatchResult, EventIngestor
 from index.status import SourceState, SourceStatus
@@ -174,8 +175,10 @@ async def fetch_replay(
                     raise ReplayFailed("bad replay sequence frame")
                 out.append((int.from_bytes(seq8, "big"), frames[-1]))
     except TimeoutError as exc:
+        reraise_if_cancelling()
         raise ReplayFailed(f"replay from {endpoint} exceeded {total_s:g} s") from exc
     except zmq.ZMQError as exc:
+        reraise_if_cancelling()
         raise ReplayFailed(f"replay from {endpoint}: {exc}") from exc
     finally:
         sock.close(linger=0)
@@ -482,6 +485,7 @@ class ConnectSubscriber:
                     await self._session(first=not started)
                     started = True
                 except (zmq.ZMQError, OSError) as exc:
+                    reraise_if_cancelling()
                     failures += 1
                     log.warning("%s: subscriber error: %s", self.runner.source.replica, exc)
                     self.runner.set_state("degraded", str(exc))
@@ -508,6 +512,7 @@ class ConnectSubscriber:
                         await self.runner.start()
                     poll_ms = int(self._s.idle_poll_s * 1000)
                     while True:
+                        reraise_if_cancelling()
                         if not await sub.poll(poll_ms):
                             await self.runner.tick()
                             continue
@@ -582,6 +587,7 @@ class BindSubscriber:
                 try:
                     await self._session()
                 except (zmq.ZMQError, OSError) as exc:
+                    reraise_if_cancelling()
                     failures += 1
                     log.warning("bound subscriber %s error: %s", self._endpoint, exc)
                     await asyncio.sleep(self._backoff.compute(failures))
@@ -607,6 +613,7 @@ class BindSubscriber:
                 try:
                     poll_ms = int(self._s.idle_poll_s * 1000)
                     while True:
+                        reraise_if_cancelling()
                         while self._pending:
                             await self._pending.pop(0).start()
                         if not await sub.poll(poll_ms):

@@ -32,7 +32,6 @@ the sequence to 0 and empties the buffer, like an engine restart.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -123,8 +122,12 @@ class KVEventPublisher:
         task, self._replay_task = self._replay_task, None
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

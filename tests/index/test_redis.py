@@ -225,14 +225,14 @@ async def test_nothing_stale_survives_an_outage(private_redis: Any) -> None:
 async def test_lease_exclusive_expiry_and_release(redis_url: str, redis_namespace: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     key = f"{redis_namespace}:lease:x"
-    a = RedisLease(client, key, "a", ttl_s=0.3)
-    b = RedisLease(client, key, "b", ttl_s=0.3)
+    a = RedisLease(client, key, "a", ttl_s=0.6)
+    b = RedisLease(client, key, "b", ttl_s=0.6)
     try:
         assert await a.try_acquire() and a.valid()
         assert not await b.try_acquire()
         assert await a.try_acquire()  # re-acquiring our own lease renews it
         assert await a.renew() and await a.holder() == "a"
-        await asyncio.sleep(0.35)  # a stops renewing (crashed or paused)
+        await asyncio.sleep(0.65)  # a stops renewing (crashed or paused)
         assert not a.valid()
         assert await b.try_acquire() and await b.holder() == "b"
         assert not await a.renew() and not a.valid()
@@ -259,23 +259,29 @@ async def test_run_with_lease_hands_over_on_cancel(redis_url: str, redis_namespa
 
         return work
 
+    tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def stop(name: str) -> None:
+        tasks[name].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tasks[name]
+
     try:
-        ta = asyncio.create_task(run_with_lease(RedisLease(client, key, "a", ttl_s=0.3),
-                                                worker("a")))  # fmt: skip
-        await eventually(lambda: running == ["a"])
-        tb = asyncio.create_task(run_with_lease(RedisLease(client, key, "b", ttl_s=0.3),
-                                                worker("b")))  # fmt: skip
-        await asyncio.sleep(0.3)
+        for name in ("a", "b"):
+            lease = RedisLease(client, key, name, ttl_s=1.5)
+            tasks[name] = asyncio.create_task(run_with_lease(lease, worker(name)))
+            await eventually(lambda: bool(running))
+        await asyncio.sleep(0.2)
         assert running == ["a"]  # b stands by
-        ta.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ta
+        await stop("a")  # releases the lease: b takes over well before it would expire
+        t0 = time.monotonic()
         await eventually(lambda: running == ["b"])
-        tb.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await tb
+        assert time.monotonic() - t0 < 1.4
+        await stop("b")
         assert running == []
     finally:
+        for name in tasks:
+            await stop(name)
         await client.aclose()
 
 
@@ -291,7 +297,7 @@ async def test_two_ingesters_one_owner_and_takeover(redis_url: str, redis_namesp
         tasks = []
         for name in ("one", "two"):
             idx = RedisIndex.from_url(redis_url, key_prefix=redis_namespace, op_timeout_s=1.0)
-            lease = LeaseSettings(client, key_prefix=redis_namespace, ttl_s=0.5, owner=name,
+            lease = LeaseSettings(client, key_prefix=redis_namespace, ttl_s=1.5, owner=name,
                                   status_interval_s=0.05)  # fmt: skip
             ing = KVEventIngestion(idx, [spec], settings=FAST, lease=lease, context=ctx)
             ingesters.append((ing, idx))
