@@ -15,7 +15,8 @@ Used when a model has no local tokenizer, or a request needs the engine's own pr
    and the derived ``enable_thinking`` are template variables).  Completions send one
    ``TokenizeCompletionRequest`` per string prompt; id lists need no replica.
    ``truncate_prompt_tokens`` is not a ``/tokenize`` field: it is applied to the answer
-   here by slicing (exact without ``add_special_tokens``).
+   here by slicing, on the left unless ``truncation_side`` is ``"right"`` (exact unless
+   the tokenizer adds special tokens, which its own truncation would keep).
 
 Every call has a timeout (``timeout_s``, the whole exchange).  Answers are cached by
 the exact bytes of what was sent (bounded LRU), since a replica renders the same request
@@ -244,7 +245,8 @@ def _truncate(ids: list[int], body: Mapping[str, Any]) -> list[int]:
         return ids
     if limit == 0:
         return []
-    return ids[len(ids) - limit :] if body.get("truncation_side") == "left" else ids[:limit]
+    # vLLM truncates on the left unless the request says otherwise (generative models).
+    return ids[:limit] if body.get("truncation_side") == "right" else ids[len(ids) - limit :]
 
 
 def _prompt(ids: list[int], ctx: KeyContext) -> Prompt:

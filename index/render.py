@@ -26,8 +26,9 @@ Chat (``/v1/chat/completions``), in vLLM's order:
 5. render (``continue_final_message`` cuts the text after the final message, as
    transformers does with its marker); a template error is a 400 (``TemplateRejected``);
 6. tokenise with ``add_special_tokens`` (default false for chat, true for completions),
-   then ``truncate_prompt_tokens`` (tokenizer truncation, or a slice when
-   ``truncation_side`` is given).
+   then ``truncate_prompt_tokens`` (the tokenizer's truncation, on the left as vLLM
+   configures tokenizers of generative models, keeping the special tokens it adds; or
+   a plain slice when the request gives ``truncation_side``).
 
 Completions (``/v1/completions``): ``prompt`` is a string, a list of ids, a list of
 strings or a list of id lists; each becomes one :class:`Tokenized`.  ``prompt_embeds``
@@ -96,6 +97,9 @@ class RenderOptions:
     """``--exclude-tools-when-tool-choice-none``."""
     max_model_len: int | None = None
     """Only needed for ``truncate_prompt_tokens=-1``."""
+    truncation_side: Literal["left", "right"] = "left"
+    """The tokenizer's truncation side in the engine: vLLM's ``get_tokenizer`` forces
+    ``"left"`` for generative models, whatever ``tokenizer_config.json`` says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +335,7 @@ class ModelRenderer:
                 out.append(self._tokenize(item, add_special, limit, side))
             else:
                 ids = list(item)
-                cut = self._truncate(ids, 0, 0, limit, side or self.files.truncation_side)
+                cut = self._truncate(ids, 0, 0, limit, side or self.options.truncation_side)
                 out.append(Tokenized(cut, None))
         return out
 
@@ -381,7 +385,7 @@ class ModelRenderer:
         if limit == 0:
             return []
         if side is None:
-            side = self.files.truncation_side
+            side = self.options.truncation_side
             room = max(limit - head - tail, 0)
             content = ids[head : len(ids) - tail]
             if len(content) > room:

@@ -64,6 +64,8 @@ class TokenizerFiles:
     special_tokens: Mapping[str, str] = field(default_factory=dict)
     """Named special tokens (``bos_token`` ...) as strings; unset ones are absent."""
     truncation_side: Literal["left", "right"] = "right"
+    """As configured; vLLM overrides it to ``"left"`` for generative models, so
+    rendering uses ``RenderOptions.truncation_side`` instead."""
 
     def chat_template(self, requested: str | None = None, *, has_tools: bool = False) -> str:
         """The template source ``apply_chat_template`` would use.

@@ -183,7 +183,7 @@ async def test_completion_fallback_per_prompt(
     cut = await remote.render_completion(
         replica.url, {"model": "m", "prompt": [[1, 2, 3]], "truncate_prompt_tokens": 2}, CTX
     )
-    assert cut[0].token_ids == [1, 2]
+    assert cut[0].token_ids == [2, 3]
 
 
 async def test_timeout_and_errors_are_typed_and_counted(

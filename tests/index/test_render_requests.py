@@ -402,28 +402,30 @@ def test_chat_add_special_tokens_adds_a_second_bos(llama: ModelRenderer) -> None
     assert doubled == [plain[0], *plain]
 
 
-def test_truncation_keeps_the_bos_on_the_tokenizer_side(llama: ModelRenderer) -> None:
+def test_truncation_is_left_and_keeps_the_bos_by_default(llama: ModelRenderer) -> None:
+    """vLLM sets the tokenizer's truncation side to "left" for generative models; the
+    tokenizer's own truncation keeps the BOS it adds.  An explicit side slices."""
     prompt = "one two three four five six seven eight nine ten"
     (full,) = llama.tokenize_completion({"prompt": prompt})
-    (cut,) = llama.tokenize_completion({"prompt": prompt, "truncate_prompt_tokens": 4})
-    assert cut.token_ids == full.token_ids[:4] and cut.segments is None
+    (kept,) = llama.tokenize_completion({"prompt": prompt, "truncate_prompt_tokens": 4})
+    assert kept.token_ids == [full.token_ids[0], *full.token_ids[-3:]]
+    assert kept.segments is None
     (left,) = llama.tokenize_completion(
         {"prompt": prompt, "truncate_prompt_tokens": 4, "truncation_side": "left"}
     )
     assert left.token_ids == full.token_ids[-4:]
-    left_tok = ModelRenderer(
-        type(llama.files)(
-            directory=llama.files.directory,
-            tokenizer=llama.files.tokenizer,
-            chat_templates=llama.files.chat_templates,
-            special_tokens=llama.files.special_tokens,
-            truncation_side="left",
-        )
+    (right,) = llama.tokenize_completion(
+        {"prompt": prompt, "truncate_prompt_tokens": 4, "truncation_side": "right"}
     )
-    (kept,) = left_tok.tokenize_completion({"prompt": prompt, "truncate_prompt_tokens": 4})
-    assert kept.token_ids == [full.token_ids[0], *full.token_ids[-3:]]
+    assert right.token_ids == full.token_ids[:4]
+    right_tok = _with(llama, truncation_side="right")
+    (head,) = right_tok.tokenize_completion({"prompt": prompt, "truncate_prompt_tokens": 4})
+    assert head.token_ids == full.token_ids[:4]
     (whole,) = llama.tokenize_completion({"prompt": prompt, "truncate_prompt_tokens": 500})
     assert whole.token_ids == full.token_ids and whole.segments is not None
+    chat = {"messages": [{"role": "user", "content": prompt}], "truncate_prompt_tokens": 5}
+    untruncated = llama.tokenize_chat({"messages": chat["messages"]}).token_ids
+    assert llama.tokenize_chat(chat).token_ids == untruncated[-5:]
 
 
 def test_truncation_to_model_length_needs_it(llama: ModelRenderer) -> None:
@@ -441,9 +443,8 @@ def test_completion_prompt_shapes(llama: ModelRenderer) -> None:
     assert [t.token_ids for t in llama.tokenize_completion({"prompt": [5, 6, 7]})] == [[5, 6, 7]]
     ids = llama.tokenize_completion({"prompt": [[1, 2], [3]]})
     assert [t.token_ids for t in ids] == [[1, 2], [3]]
-    assert llama.tokenize_completion({"prompt": [1, 2, 3], "truncate_prompt_tokens": 2})[
-        0
-    ].token_ids == [1, 2]
+    cut = llama.tokenize_completion({"prompt": [1, 2, 3], "truncate_prompt_tokens": 2})
+    assert cut[0].token_ids == [2, 3]  # left, as vLLM truncates for generative models
 
 
 @pytest.mark.parametrize(
