@@ -5,12 +5,13 @@ engine core's *resolved* endpoints (``tcp://*:0`` already replaced by the bound 
 ``discover_sources`` turns that into ``DiscoveredSource``s, one per DP rank with events
 enabled:
 
-* An endpoint the engine **binds** (``*``, ``::``, ``0.0.0.0``, ``ipc://``,
-  ``inproc://``; vLLM's ``_is_bind_endpoint`` rule plus ``0.0.0.0``) is one we
-  **connect** to, with the replica URL's host in place of a wildcard address.  The replay
-  endpoint (always bound by the engine) gets the same treatment.
-* An endpoint the engine **connects** to means the router must **bind** a SUB there
-  (``mode="bind"``); the source is then identified by its topic.
+* vLLM reports ``tcp://*:P`` unchanged, but a ``tcp://*:0`` endpoint as the bound
+  ``tcp://<node ip>:<port>``, which looks exactly like an endpoint the engine *connects*
+  to.  So every endpoint is taken as one the engine bound, which we **connect** to (the
+  replica URL's host in place of a wildcard address), unless it is one of the
+  ``bind_endpoints`` this router binds itself (``mode="bind"``: engines connect to us and
+  the source is identified by its topic).  The replay endpoint is always bound by the
+  engine and gets the same host treatment.
 * If several ranks report the same endpoint (a config that was not resolved per rank),
   vLLM's port + rank rule is applied (``offset_endpoint_port``).
 * Rank 0 is the replica itself; rank ``k > 0`` is ``replica_id_for_rank(replica, k)``.
@@ -22,6 +23,7 @@ predates 0.31 (or is not vLLM) and ``DiscoveryError.unsupported`` is set.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -104,7 +106,12 @@ def resolve_endpoint(endpoint: str, host: str) -> str:
 
 
 def parse_event_sources(
-    body: Any, replica_url: str, replica: ReplicaId, model: str
+    body: Any,
+    replica_url: str,
+    replica: ReplicaId,
+    model: str,
+    *,
+    bind_endpoints: Collection[str] = (),
 ) -> list[DiscoveredSource]:
     """Interpret a ``/kv_event_sources`` body (see the module docstring)."""
     if not isinstance(body, dict):
@@ -139,7 +146,7 @@ def parse_event_sources(
         topic = cfg.get("topic") or ""
         rid = replica_id_for_rank(replica, rank)
         replay_ep = resolve_endpoint(replay, host) if replay else None
-        if is_bind_endpoint(endpoint) or "0.0.0.0" in endpoint:
+        if endpoint not in bind_endpoints:
             ep = resolve_endpoint(endpoint, host)
             if ep.endswith(":0"):
                 raise DiscoveryError(f"rank {rank}: endpoint {endpoint} has no port")
@@ -164,6 +171,7 @@ async def discover_sources(
     model: str,
     *,
     timeout_s: float = 2.0,
+    bind_endpoints: Collection[str] = (),
 ) -> list[DiscoveredSource]:
     """Read ``{replica_url}/kv_event_sources`` and interpret it."""
     url = replica_url.rstrip("/") + "/kv_event_sources"
@@ -176,7 +184,7 @@ async def discover_sources(
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise DiscoveryError(f"{url}: {exc}") from exc
-    return parse_event_sources(body, replica_url, replica, model)
+    return parse_event_sources(body, replica_url, replica, model, bind_endpoints=bind_endpoints)
 
 
 async def discover_model(

@@ -152,7 +152,9 @@ class KVEventIngestion:
         """Ingest until cancelled (then every socket is closed)."""
         own_ctx = self._ctx is None
         ctx = self._ctx if self._ctx is not None else zmq.asyncio.Context()
-        own_http = self._http is None and any(s.endpoint is None for s in self._specs)
+        own_http = self._http is None and any(
+            s.endpoint is None or s.model is None for s in self._specs
+        )
         http = self._http
         if own_http:
             http = aiohttp.ClientSession()
@@ -174,9 +176,12 @@ class KVEventIngestion:
         self, spec: SourceSpec, ctx: zmq.asyncio.Context, http: aiohttp.ClientSession | None
     ) -> None:
         if spec.endpoint is not None:
-            if spec.model is None:
-                raise ValueError(f"{spec.replica}: an explicit endpoint needs a model")
-            src = EventSource(spec.replica, spec.model, spec.endpoint, spec.replay_endpoint,
+            model = spec.model
+            if model is None:
+                if spec.url is None or http is None:
+                    raise ValueError(f"{spec.replica}: an explicit endpoint needs a model or url")
+                model = await self._discover_model(spec, http)
+            src = EventSource(spec.replica, model, spec.endpoint, spec.replay_endpoint,
                               spec.topic)  # fmt: skip
             await self._run_connect(src, ctx)
             return
@@ -191,6 +196,19 @@ class KVEventIngestion:
                     assert d.bind_endpoint is not None
                     bind = BindSpec(d.bind_endpoint, {d.source.topic: d.source})
                     tg.create_task(self._run_bind(bind, ctx))
+
+    async def _discover_model(self, spec: SourceSpec, http: aiohttp.ClientSession) -> str:
+        assert spec.url is not None
+        failures = 0
+        while True:
+            try:
+                return await discover_model(http, spec.url, timeout_s=self._discovery_timeout)
+            except DiscoveryError as exc:
+                failures += 1
+                delay = self._backoff.compute(failures)
+                log.info("%s: model discovery failed (%s); retrying in %.1f s", spec.replica,
+                         exc, delay)  # fmt: skip
+                await asyncio.sleep(delay)
 
     async def _discover(self, spec: SourceSpec, http: aiohttp.ClientSession) -> list[Any]:
         assert spec.url is not None

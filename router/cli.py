@@ -26,6 +26,7 @@ example:
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_serve(sub)
+    __import__("router.indexer", fromlist=["register"]).register(sub)  # kvroute indexer
 
 
 def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:

@@ -102,8 +102,12 @@ def test_parse_event_sources_rules() -> None:
               "endpoint": "tcp://router.example:7000", "topic": "kv@x@m"},
         "3": {"enable_kv_cache_events": False, "endpoint": "tcp://*:1"},
     }  # fmt: skip
-    found = parse_event_sources(body, "http://10.0.0.5:8000", ReplicaId("r"), "m")
+    found = parse_event_sources(body, "http://10.0.0.5:8000", ReplicaId("r"), "m",
+                                bind_endpoints={"tcp://router.example:7000"})  # fmt: skip
     assert [(d.mode, d.dp_rank) for d in found] == [("connect", 0), ("connect", 1), ("bind", 2)]
+    # Not one of ours to bind: a resolved tcp://*:0 (node ip and port) we connect to.
+    plain = parse_event_sources(body, "http://10.0.0.5:8000", ReplicaId("r"), "m")
+    assert plain[2].mode == "connect" and plain[2].source.endpoint == "tcp://router.example:7000"
     r0, r1, r2 = (d.source for d in found)
     assert (r0.replica, r0.endpoint, r0.replay_endpoint) == (
         "r", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567")  # fmt: skip
