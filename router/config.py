@@ -278,6 +278,14 @@ class ScoringSettings(_Section):
     """How fast a replica's hit trust follows its receipts."""
     receipt_trust_floor: float = Field(default=0.2, ge=0, le=1)
     """The lowest hit trust receipts can drive a replica to."""
+    discover_kv_events: bool = True
+    """Replicas without ``kv_events_endpoint``: find their KV event streams at ``GET
+    /kv_event_sources`` (vLLM 0.31+, the simulated replica); retried slowly if absent."""
+    auto_models: bool = True
+    """A requested model not listed in ``models`` is rendered by a replica (``/tokenize``)
+    with the block size the replicas report (``vllm:cache_config_info``): KV routing
+    works unconfigured, at the cost of one round trip per request.  List the model with
+    its tokenizer to render locally instead."""
     remote_render: bool = True
     """Ask a replica (``/tokenize``) when a prompt cannot be rendered locally."""
     remote_render_timeout_s: float = Field(default=2.0, gt=0)

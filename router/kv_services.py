@@ -3,12 +3,14 @@
 Registered through ``router.plugins`` (no proxy change):
 
 * service ``kv`` (``start_kv``): builds, in order, the renderers (``index`` registry of
-  ``scoring.models``, with a replica ``/tokenize`` fallback), the KV index (``memory`` or
-  ``redis`` per ``settings.index``), the KV-event ingestion for every replica with a
-  ``kv_events_endpoint`` (one owned task; its ``BlockStored`` counts also feed the
+  ``scoring.models``, with a replica ``/tokenize`` fallback; with ``auto_models`` a model
+  not listed is rendered by the replicas with the block size they report), the KV index
+  (``memory`` or ``redis`` per ``settings.index``), the KV-event ingestion for every
+  replica (its ``kv_events_endpoint``, else discovered at ``/kv_event_sources`` when
+  ``discover_kv_events``; one owned task whose ``BlockStored`` counts also feed the
   eviction-horizon estimator), and the ``/metrics`` scraper (one owned task; its samples
-  feed the load terms and the horizon).  It yields a ``KvServices``; teardown closes the
-  index after the tasks are cancelled.
+  feed the load terms and the horizon).  It yields a ``KvServices``; teardown cancels and
+  awaits those tasks, then closes the index.
 * policy ``kv`` (``kv_factory``) and policy ``session`` (``session_factory``).
 
 ``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
@@ -19,10 +21,12 @@ for itself (a malformed request is the replica's 400 to give, not the router's).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from index.ingest import BatchResult
 from index.ingestion import KVEventIngestion, SourceSpec
@@ -58,17 +62,32 @@ _log = logging.getLogger(__name__)
 
 
 class RegistryPrompts:
-    """``PromptSource`` over an ``index`` renderer registry."""
+    """``PromptSource`` over an ``index`` renderer registry.
 
-    def __init__(self, registry: RendererRegistry, *, remote: bool = True) -> None:
+    With ``block_size_hint`` (auto models), a model the registry does not know is added
+    on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed
+    with the block size the replicas report."""
+
+    def __init__(
+        self,
+        registry: RendererRegistry,
+        *,
+        remote: bool = True,
+        block_size_hint: Callable[[], int | None] | None = None,
+    ) -> None:
         self.registry = registry
         self._remote = remote
+        self._hint = block_size_hint
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
         body = request.body
-        if body is None or body.get("model") not in self.registry:
+        if body is None:
             return None
+        model = body.get("model")
+        if model not in self.registry:
+            if not self._learn(model):
+                return None
         url = replica_url if self._remote else None
         try:
             if request.endpoint == "chat":
@@ -79,6 +98,17 @@ class RegistryPrompts:
         except RenderError as exc:
             _log.debug("no prompt for request %s: %r", request.request_id, exc)
         return None
+
+    def _learn(self, model: object) -> bool:
+        if self._hint is None or not self._remote or not isinstance(model, str) or not model:
+            return False
+        block_size = self._hint()
+        if block_size is None:
+            return False
+        self.registry.add(ModelSpec(name=model, block_size=block_size))
+        _log.info("rendering model %r on the replicas (block size %d): list it under "
+                  "scoring.models with its tokenizer to render locally", model, block_size)
+        return True
 
 
 @dataclass(slots=True)
@@ -136,13 +166,21 @@ def _index(settings: RouterSettings) -> KVIndex:
     return InMemoryIndex()
 
 
-def _sources(settings: RouterSettings) -> list[SourceSpec]:
+def _sources(ctx: PolicyContext) -> list[SourceSpec]:
+    settings = ctx.settings
     default_model = settings.scoring.models[0].name if settings.scoring.models else None
     specs = []
     for r in settings.replicas:
-        if r.kv_events_endpoint is None:
+        if r.kv_events_endpoint is None and not settings.scoring.discover_kv_events:
             continue
-        model = r.models[0] if r.models else default_model
+        # The key root: configured, else what the health prober read from /v1/models
+        # (discovery asks the replica itself when neither is known).
+        discovered = ctx.replicas[ReplicaId(r.id)].models
+        model = (r.models[0] if r.models else default_model
+                 or (discovered[0] if discovered else None))
+        if r.kv_events_endpoint is not None and model is None:
+            _log.warning("replica %s: no model known for its KV events; not ingested", r.id)
+            continue
         specs.append(SourceSpec(
             replica=ReplicaId(r.id), model=model, url=r.url,
             endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint,
@@ -156,17 +194,32 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
     registry = RendererRegistry(_model_specs(s), remote=remote)
-    prompts = RegistryPrompts(registry, remote=s.remote_render)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index = _index(ctx.settings)
+    ingestion: KVEventIngestion | None = None
+    scraper: MetricsScraper | None = None
+
+    def block_size_hint() -> int | None:
+        """The block size the replicas report (scrape first, then KV events)."""
+        now = ctx.clock()
+        for state in ctx.replicas.all():
+            sample = scraper.latest(state.id, now) if scraper is not None else None
+            if sample is not None and sample.block_size:
+                return sample.block_size
+            status = ingestion.status(state.id) if ingestion is not None else None
+            if status is not None and status.block_size:
+                return status.block_size
+        return None
+
+    prompts = RegistryPrompts(registry, remote=s.remote_render,
+                              block_size_hint=block_size_hint if s.auto_models else None)
+    tasks: list[asyncio.Task[Any]] = []
     try:
-        ingestion = None
-        specs = _sources(ctx.settings)
+        specs = _sources(ctx)
         if specs:
             ingestion = KVEventIngestion(index, specs, http=ctx.http,
                                          observer=_HorizonObserver(horizon, ctx))
-            ctx.tasks.spawn(ingestion.run(), name="kv-events")
-        scraper = None
+            tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
         if s.scrape.enabled:
             replicas = ctx.replicas
             scraper = MetricsScraper(
@@ -175,9 +228,14 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 stale_after_s=s.scrape.stale_after_s,
             )
             scraper.add_listener(_pool_listener(horizon))
-            ctx.tasks.spawn(scraper.run(), name="kv-scrape")
+            tasks.append(ctx.tasks.spawn(scraper.run(), name="kv-scrape"))
         yield KvServices(prompts, index, horizon, scraper, ingestion)
     finally:
+        # Stop the tasks that use the index before closing it (the app's TaskOwner
+        # would only cancel them after every service has exited).
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await index.aclose()
 
 
