@@ -17,8 +17,9 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    before it can still fail over), then chunks are relayed as they arrive, never
    buffered.  After the first byte, an upstream failure ends the stream with a final
    ``data: {"error": ...}`` event.
-5. A watcher task waits for ``http.disconnect``; on a disconnect it cancels the handler,
-   which closes the upstream connection (vLLM aborts the request) within milliseconds.
+5. A watcher task (started once the request has run 50 ms) waits for
+   ``http.disconnect``; on a disconnect it cancels the handler, which closes the upstream
+   connection (vLLM aborts the request) well within a second.
 6. ``policy.record(request, decision, receipt)`` once, with the usage the replica
    reported (``router.usage``).
 
@@ -67,6 +68,9 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _CLIENT_GONE = 499  # nginx's "client closed request", for metrics only
+# Delay before a request gets a disconnect watcher task; bounds how late a disconnect is
+# noticed (well under the 1 s contract) and spares quick requests a task each.
+_WATCH_AFTER_S = 0.05
 # Upstream response headers not passed on: hop-by-hop ones, the length (the router frames
 # the body itself) and the request id (the router sets its own).
 _RESP_HOP = frozenset({
@@ -236,7 +240,18 @@ class Proxy:
                         task.cancel()
                     return
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        # The watcher starts only if the request is still running after _WATCH_AFTER_S:
+        # quick answers (most non-streaming ones) never pay for a task, and a client that
+        # left earlier is seen at once when it starts (receive() reports the disconnect).
+        loop = asyncio.get_running_loop()
+        watcher: asyncio.Task[None] | None = None
+
+        def start_watcher() -> None:
+            nonlocal watcher
+            if not call.done:
+                watcher = loop.create_task(watch())
+
+        timer = loop.call_later(_WATCH_AFTER_S, start_watcher)
         try:
             return await self._attempts(call, prompt_tokens, send)
         except asyncio.CancelledError:
@@ -245,7 +260,9 @@ class Proxy:
                 return _CLIENT_GONE
             raise
         finally:
-            watcher.cancel()
+            timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
             replica = call.replica or call.decision.replicas[0]
             receipt = Receipt(replica, call.receipt_ok, call.prompt_tokens, call.cached_tokens,
                               call.ttfb_s)
@@ -278,6 +295,7 @@ class Proxy:
                     self._replicas.record_probe(replica, False)
                 last_error = retry.error
         assert last_error is not None
+        call.done = True
         return await _send_error(send, last_error, call.request_id)
 
     def _url(self, replica: ReplicaId, path: str, query: bytes) -> URL:
@@ -410,6 +428,11 @@ class Proxy:
         try:
             while chunk:
                 out = tap.feed(chunk) if tap is not None else chunk
+                if content.at_eof():  # the last chunk: end the body in the same write
+                    call.done = True
+                    tail = tap.flush() if tap is not None else b""
+                    await send({"type": "http.response.body", "body": out + tail})
+                    return "ok"
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await content.readany()
