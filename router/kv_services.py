@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from index.ingest import BatchResult
-from index.ingestion import KVEventIngestion, SourceSpec
+from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
 from index.memory import InMemoryIndex
 from index.prompt import Prompt
 from index.redis_store import RedisIndex
@@ -217,7 +217,14 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     try:
         specs = _sources(ctx)
         if specs:
-            ingestion = KVEventIngestion(index, specs, http=ctx.http,
+            lease = None
+            if isinstance(index, RedisIndex):
+                # Routers sharing a Redis index: one ingests each source (lease), every
+                # router reads the sources' statuses from Redis.
+                lease = LeaseSettings(client=index.client,
+                                      key_prefix=getattr(ctx.settings.index, "key_prefix",
+                                                         "kvroute:"))
+            ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
                                          observer=_HorizonObserver(horizon, ctx))
             tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
         if s.scrape.enabled:

@@ -41,6 +41,7 @@ class Fleet:
     router: str
     http: aiohttp.ClientSession
     prom: CollectorRegistry
+    settings: RouterSettings
 
     def metric(self, name: str, **labels: str) -> float:
         v = self.prom.get_sample_value(name, labels)
@@ -75,7 +76,7 @@ async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
     prom = CollectorRegistry()
     url = await stack.enter_async_context(run_server(create_app(settings, registry=prom)))
     http = await stack.enter_async_context(aiohttp.ClientSession(timeout=TIMEOUT))
-    return Fleet(sims, url, http, prom)
+    return Fleet(sims, url, http, prom, settings)
 
 
 @pytest.fixture
@@ -298,3 +299,25 @@ async def test_model_without_tokenizer_is_rendered_by_the_replicas(
     assert all(t.reason == "kv_hit" for t in later), [[t.reason for t in c.turns] for c in convs]
     assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
     assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
+
+
+async def test_two_routers_share_one_redis_index(
+    stack: AsyncExitStack, tokenizer_dir: Path, redis_url: str, redis_namespace: str
+) -> None:
+    index = {"backend": "redis", "url": redis_url, "key_prefix": redis_namespace + ":",
+             "op_timeout_s": 1.0}
+    f = await _fleet(stack, tokenizer_dir, index=index)
+    # a second router on the same replicas and index (one of them ingests each source)
+    url_b = await stack.enter_async_context(
+        run_server(create_app(f.settings, registry=CollectorRegistry())))
+    f_b = Fleet(f.sims, url_b, f.http, CollectorRegistry(), f.settings)
+    await asyncio.sleep(0.5)
+    convs = [Conversation(system=f"Shared index {i}. " * 30, session=f"ri{i}") for i in range(4)]
+    for turn in range(4):  # turns alternate between the two routers
+        for c in convs:
+            await send(f if turn % 2 == 0 else f_b, c, f"turn {turn} " * 6, stream=False)
+        await asyncio.sleep(0.2)
+    later = [c.turns[i] for c in convs for i in range(1, 4)]
+    assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
+    assert all(t.reason == "kv_hit" for t in later)
+    assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
