@@ -50,9 +50,9 @@ class Fleet:
 
 async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
                  configured: bool = True, index: dict[str, Any] | None = None,
-                 **scoring: Any) -> Fleet:
+                 num_blocks: int = 4096, **scoring: Any) -> Fleet:
     sims = [await stack.enter_async_context(
-        start_sim(tok, model=MODEL, num_blocks=4096, time_scale=0.002, seed=i))
+        start_sim(tok, model=MODEL, num_blocks=num_blocks, time_scale=0.002, seed=i))
         for i in range(N_REPLICAS)]
     replicas = []
     for i, s in enumerate(sims):
@@ -321,3 +321,31 @@ async def test_two_routers_share_one_redis_index(
     assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
     assert all(t.reason == "kv_hit" for t in later)
     assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
+
+
+async def test_eviction_horizon_think_time_and_receipts_under_eviction(
+    stack: AsyncExitStack, tokenizer_dir: Path
+) -> None:
+    # small pools: conversations evict each other; events keep the index exact
+    f = await _fleet(stack, tokenizer_dir, num_blocks=160)
+    await asyncio.sleep(0.5)
+    convs = [Conversation(system=f"Crowded {i}. " * 40, session=f"ev{i}") for i in range(16)]
+    await asyncio.gather(*(converse(f, c, 4, think_s=0.3 + 0.1 * (i % 4))
+                           for i, c in enumerate(convs)))
+    await asyncio.sleep(0.5)  # one more scrape
+    horizons = [f.metric("router_eviction_horizon_seconds", replica=f"r{i}")
+                for i in range(N_REPLICAS)]
+    assert all(0 < h < 1e6 for h in horizons), horizons
+    assert f.metric("router_session_think_time_seconds_count") == 16 * 3
+    returns = {o: sum(f.metric("router_session_returns_total", replica=f"r{i}", outcome=o)
+                      for i in range(N_REPLICAS))
+               for o in ("within_horizon", "beyond_horizon", "unknown")}
+    assert sum(returns.values()) == 48
+    receipts = {o: sum(f.metric("router_receipts_total", replica=f"r{i}", outcome=o)
+                       for i in range(N_REPLICAS)) for o in ("match", "over", "under")}
+    # Four sessions of ~40 blocks per 160-block replica, in lockstep: a session's last
+    # turn finds the others pinning most of the pool, so part of its cached prefix is
+    # evicted between the lookup and its scheduling.  The receipts show exactly that
+    # (over-predictions, never under), and nothing else.
+    assert receipts["under"] == 0 and receipts["match"] >= 0.7 * 64, receipts
+    assert all(c.turns[i].predicted == c.turns[i].cached for c in convs for i in range(3))
