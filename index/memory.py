@@ -188,8 +188,24 @@ class InMemoryIndex:
             return
         r = self._replica(replica)
         tier = _TIER[medium]
+        eshift, rshift = _E_SHIFT[tier], _R_SHIFT[tier]
+        one_e, one_r = 1 << eshift, 1 << rshift
+        bit = 1 << (r.bit + tier * self._stride)
+        eng, req, masks = r.engine, r.request, self._masks
+        # ``_ref`` inlined for the common cases (ingest speed); the rare ones call it.
         for ek, rk in zip(engine_keys, request_keys, strict=True):
-            self._ref(r, ek, rk, tier)
+            e = eng.get(ek)
+            if e is None:
+                eng[ek] = rk + one_e
+            elif e & _U64 == rk and (e >> eshift) & _CNT_MAX != _CNT_MAX:
+                eng[ek] = e + one_e
+            else:
+                self._ref(r, ek, rk, tier)
+                continue
+            q = req.get(rk, 0)
+            if not (q >> rshift) & _CNT_MAX:
+                masks[rk] = masks.get(rk, 0) | bit
+            req[rk] = q + one_r
 
     async def add_by_engine_key(
         self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium

@@ -1,0 +1,80 @@
+"""InMemoryIndex specifics: replica capacity growth, the prefix scan against a reference."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from index.keys import block_keys
+from index.masks import scan_masks
+from index.memory import InMemoryIndex
+from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
+
+
+def chain(n: int) -> list[RequestKey]:
+    return block_keys(list(range(4 * n)), 4, model="m")
+
+
+async def test_more_replicas_than_the_initial_stride() -> None:
+    idx = InMemoryIndex(stride=4)
+    keys = chain(3)
+    replicas = [ReplicaId(f"r{i}") for i in range(11)]
+    for i, r in enumerate(replicas):
+        medium = Medium.CPU if i % 3 == 1 else Medium.STORAGE if i % 3 == 2 else Medium.GPU
+        idx.add_sync(r, [EngineKey(1000 * i + j) for j in range(i % 3 + 1)], keys[: i % 3 + 1],
+                     medium)  # fmt: skip
+    want = {
+        r: ReplicaHit(n if i % 3 == 0 else 0, n if i % 3 == 1 else 0, n if i % 3 == 2 else 0)
+        for i, r in enumerate(replicas)
+        for n in [i % 3 + 1]
+    }
+    assert (await idx.lookup(keys)).by_replica == want
+    assert idx.lookup_sync(keys, among=replicas[9:]) == PrefixHits(
+        {r: want[r] for r in replicas[9:]}
+    )
+    assert idx.blocks(replicas[2]) == 3 and idx.blocks(ReplicaId("nobody")) == 0
+    idx.clear_sync(replicas[0])
+    assert replicas[0] not in (await idx.lookup(keys)).by_replica
+    await idx.aclose()
+    assert await idx.replicas() == set()
+
+
+def reference(values: list[int], allowed: int, stride: int, n_ids: int) -> dict[int, ReplicaHit]:
+    out: dict[int, ReplicaHit] = {}
+    for b in range(n_ids):
+        if not allowed >> b & 1:
+            continue
+        g = c = s = 0
+        for v in values:
+            if v >> b & 1:
+                g += 1
+            elif v >> (stride + b) & 1:
+                c += 1
+            elif v >> (2 * stride + b) & 1:
+                s += 1
+            else:
+                break
+        if g + c + s:
+            out[b] = ReplicaHit(g, c, s)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 8).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.integers(0, (1 << (3 * 8)) - 1), min_size=0, max_size=30),
+            st.integers(0, (1 << 8) - 1),
+            st.booleans(),
+        )
+    )
+)
+def test_scan_masks_matches_a_reference(case: tuple[int, list[int], int, bool]) -> None:
+    n_ids, raw, allowed, gpu_only = case
+    stride = 8
+    values = [v & 0xFF if gpu_only else v for v in raw]
+    ids = [ReplicaId(f"r{b}") for b in range(n_ids)]
+    got = scan_masks(values, allowed, stride, ids).by_replica
+    want = {ids[b]: hit for b, hit in reference(values, allowed, stride, n_ids).items()}
+    assert got == want
