@@ -119,6 +119,7 @@ def test_chat_publishes_block_stored_and_turn_two_hits(vllm_replica: VllmReplica
         # Turn 1's prompt is a prefix of turn 2's, so all its full blocks hit.
         assert usage2["prompt_tokens_details"]["cached_tokens"] == prompt1 // bs * bs
 
+        tap.settle()  # turn 2's own events must not count as the reset's
         mark = tap.mark()
         replica.reset_prefix_cache()
         tap.settle()
