@@ -1,0 +1,74 @@
+"""InstrumentedIndex and the ingestion observer record what they should."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from index.ingest import BatchResult
+from index.memory import InMemoryIndex
+from index.status import SourceStatus
+from index.store import IndexUnavailable, KVIndex
+from index.types import EngineKey, PrefixHits, ReplicaId, RequestKey
+from router.index_metrics import IndexMetrics, InstrumentedIndex, refresh_block_gauges
+
+R = ReplicaId("r1")
+
+
+class DownIndex(InMemoryIndex):
+    """Fault injection: every lookup fails as an unreachable backend would."""
+
+    async def lookup(
+        self, keys: Sequence[RequestKey], *, among: Collection[ReplicaId] | None = None
+    ) -> PrefixHits:
+        raise IndexUnavailable("down")
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    v = reg.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+async def test_instrumented_index_times_and_counts() -> None:
+    reg = CollectorRegistry()
+    m = IndexMetrics(reg)
+    idx: KVIndex = InstrumentedIndex(InMemoryIndex(), m, backend="memory")
+    await idx.add(R, [EngineKey(1)], [RequestKey(11)])
+    assert (await idx.lookup([RequestKey(11)])).blocks(R) == 1
+    assert await idx.request_keys(R, [EngineKey(1)]) == [RequestKey(11)]
+    assert value(reg, "router_index_lookup_seconds_count", backend="memory") == 1
+    await refresh_block_gauges(idx, m, [R])
+    assert value(reg, "router_index_blocks", replica="r1") == 1
+    down = InstrumentedIndex(DownIndex(), m, backend="memory")
+    with pytest.raises(IndexUnavailable):
+        await down.lookup([RequestKey(11)])
+    assert value(reg, "router_index_unavailable_total", op="lookup") == 1
+    assert value(reg, "router_index_lookup_seconds_count", backend="memory") == 2
+    await idx.aclose()
+    m.close()
+    assert reg.get_sample_value("router_index_unavailable_total", {"op": "lookup"}) is None
+
+
+def test_observer_and_source_gauges() -> None:
+    reg = CollectorRegistry()
+    m = IndexMetrics(reg)
+    obs = m.observer()
+    obs.batch_applied(R, BatchResult(Counter({"BlockStored": 2, "BlockRemoved": 1}), 5, 1,
+                                     Counter({"unknown_parent": 1})))  # fmt: skip
+    obs.gap(R)
+    obs.dropped(R, "undecodable")
+    obs.resync(R, "restart")
+    assert value(reg, "router_kv_events_applied_total", replica="r1", type="BlockStored") == 2
+    assert value(reg, "router_kv_events_blocks_total", replica="r1", op="stored") == 5
+    assert value(reg, "router_kv_events_gaps_total", replica="r1") == 1
+    assert value(reg, "router_kv_events_dropped_total", replica="r1", reason="undecodable") == 1
+    assert value(reg, "router_kv_events_dropped_total", replica="r1", reason="unknown_parent") == 1
+    assert value(reg, "router_kv_events_resyncs_total", replica="r1", reason="restart") == 1
+    status = SourceStatus(R, "m", None, connected=True, last_seq=7, receive_lag_s=0.25)
+    m.watch_sources(lambda: {R: status})
+    assert value(reg, "router_kv_events_last_seq", replica="r1") == 7
+    assert value(reg, "router_kv_events_receive_lag_seconds", replica="r1") == 0.25
+    assert value(reg, "router_kv_events_connected", replica="r1") == 1
