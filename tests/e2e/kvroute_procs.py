@@ -50,6 +50,27 @@ QUESTIONS = [
 ]
 
 
+def empty_caches(replicas: Sequence[VllmReplica]) -> None:
+    """Start from empty prefix caches, with the engines' ``AllBlocksCleared`` already
+    published.
+
+    Restarts a dead replica, then ``POST /reset_prefix_cache``.  vLLM 0.32 publishes the
+    resulting ``AllBlocksCleared`` only with its next engine step, so each replica then
+    serves one request too short to fill a block (it stores nothing): a router started
+    afterwards finds the clear in the replay buffer instead of meeting it, as a reset,
+    in the middle of a test.
+    """
+    for replica in replicas:
+        if not replica.alive:
+            replica.restart()
+        replica.reset_prefix_cache()
+        httpx.post(
+            replica.url + "/v1/completions",
+            json={"model": replica.served_model_name, "prompt": "hi", "max_tokens": 1},
+            timeout=120.0,
+        ).raise_for_status()
+
+
 def router_config(
     path: Path,
     *,

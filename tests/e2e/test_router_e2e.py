@@ -33,6 +33,7 @@ from kvroute_procs import (
     KvrouteProcess,
     Turn,
     chosen,
+    empty_caches,
     full_blocks,
     index_entries,
     metric_value,
@@ -182,10 +183,7 @@ def stack(
 ) -> Iterator[Stack]:
     """kvroute (kv policy, Redis index, KV events from both replicas) in front of the
     e2e fleet, both replicas' caches emptied first."""
-    for replica in vllm_fleet:
-        if not replica.alive:
-            replica.restart()
-        replica.reset_prefix_cache()
+    empty_caches(vllm_fleet)
     workdir = tmp_path_factory.mktemp("router")
     prefix = f"e2e-{uuid.uuid4().hex[:8]}:"
     config = router_config(

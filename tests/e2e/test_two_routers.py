@@ -8,6 +8,7 @@ engine's ``cached_tokens`` confirm it.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvroute_procs import (
     Conversation,
     KvrouteProcess,
     chosen,
+    empty_caches,
     full_blocks,
     router_config,
     send_turn,
@@ -38,10 +40,7 @@ def routers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[KvrouteProcess, KvrouteProcess, str]]:
     """Two routers on one config (one Redis namespace); yields them and the namespace."""
-    for replica in vllm_fleet:
-        if not replica.alive:
-            replica.restart()
-        replica.reset_prefix_cache()
+    empty_caches(vllm_fleet)
     workdir = tmp_path_factory.mktemp("two-routers")
     prefix = f"e2e2-{uuid.uuid4().hex[:8]}:"
     config = router_config(
@@ -68,8 +67,10 @@ def test_each_replica_is_ingested_by_one_router(
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
     try:
         for replica in vllm_fleet:
-            holder = client.get(f"{prefix.rstrip(':')}:lease:{replica.id}")
-            assert holder, f"nobody holds the ingestion lease of {replica.id}"
+            # index.ingestion names a replica's lease <ns>:lease:src:<replica id>.
+            key = f"{prefix.rstrip(':')}:lease:src:{replica.id}"
+            holder = client.get(key)
+            assert holder, f"nobody holds the ingestion lease of {replica.id} ({key})"
     finally:
         client.close()
 
@@ -89,7 +90,9 @@ def test_either_router_sends_the_next_turn_where_the_cache_is(
             previous = conv.turns[-1]
             decision = wait_indexed(via, conv, question, block)
             same = other.debug_route(model, conv.next_messages(question), conv.session)
-            assert chosen(same) == chosen(decision) == previous.replica, (same, decision)
+            assert chosen(same) == chosen(decision) == previous.replica, json.dumps(
+                {"previous": previous.replica, "other": same, "via": decision}, indent=1
+            )
             assert same["predicted_cached_tokens"] == decision["predicted_cached_tokens"]
             turn = send_turn(via, conv, question)
             assert turn.replica == previous.replica, conv.turns
