@@ -17,6 +17,9 @@ tokenisation, incremental block keys) on the prompt of turn N:
   them when the next turn of a conversation arrives), so only the new reply and user
   message are tokenised and only their blocks hashed.
 
+* prewarmed: turn N when the router called ``prewarm_reply`` with turn N-1's reply
+  after relaying it (the client's think time), so only the new user message is new.
+
 Each figure is the median (and p90) of ``--reps`` runs, in CPU time of the measuring
 thread (``time.thread_time``: all the work is on that thread) and in wall-clock time.
 On a shared machine the wall clock also counts time the process waited for a core, so
@@ -139,7 +142,17 @@ def measure(
     previous = {"model": model, "messages": messages[:-2]} if len(messages) > 2 else None
     prompt = registry.render_chat(body)
     samples: dict[str, list[float]] = {
-        k: [] for k in ("cold", "cold_cpu", "warm", "warm_cpu", "render", "tokenise", "hash")
+        k: []
+        for k in (
+            "cold",
+            "cold_cpu",
+            "warm",
+            "warm_cpu",
+            "render",
+            "tokenise",
+            "hash",
+            "prewarmed_cpu",
+        )
     }
     new_tokens = prompt.num_tokens
     ctx = target.key_context(None)
@@ -176,6 +189,14 @@ def measure(
             samples["render"].append(t1 - t0)
             samples["tokenise"].append(t2 - t1)
             samples["hash"].append(t3 - t2)
+            # Turn N when the router pre-warmed turn N-1's reply while the client read it
+            # (``prewarm_reply``): only the new user message is tokenised on the path.
+            _reset(registry, target)
+            registry.render_chat(previous)
+            registry.prewarm_reply(previous, messages[-2]["content"])
+            c0 = time.thread_time()
+            registry.render_chat(body)
+            samples["prewarmed_cpu"].append(time.thread_time() - c0)
             gc.collect()
     finally:
         if gc_was_enabled:
@@ -195,6 +216,7 @@ def measure(
             k: statistics.median(samples[k]) * 1e3 for k in ("render", "tokenise", "hash")
         }
         row["warm_cpu_us_per_new_token"] = row["warm_cpu"]["median_ms"] * 1e3 / max(new_tokens, 1)
+        row["warm_prewarmed_cpu"] = _stats(samples["prewarmed_cpu"])
     return row
 
 
@@ -235,9 +257,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"render + tokenise + hash, block size {result['block_size']}, {result['reps']} reps, "
         f"load average {result['loadavg_start'][0]:.1f} on {result['cpu_count']} CPUs",
-        f"{'':>20}{'---- cold ----':>18}{'-------- warm (turn N after N-1) --------':>54}",
+        f"{'':>20}{'---- cold ----':>18}{'-------- warm (turn N after N-1) --------':>54}"
+        f"{'prewarmed':>10}",
         f"{'turns':>5} {'tokens':>7} {'new':>5} {'cpu':>8} {'wall':>8} {'cpu':>8} {'cpu p90':>8} "
-        f"{'wall':>8} {'render':>7} {'tokenise':>8} {'hash':>6} {'us/new':>7}",
+        f"{'wall':>8} {'render':>7} {'tokenise':>8} {'hash':>6} {'us/new':>7} {'cpu':>9}",
     ]
     for row in result["rows"]:
         w_cpu = row.get("warm_cpu", {})
@@ -249,7 +272,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"{w_cpu.get('median_ms', nan):>8.3f} {w_cpu.get('p90_ms', nan):>8.3f} "
             f"{w_wall.get('median_ms', nan):>8.3f} {ph.get('render', nan):>7.3f} "
             f"{ph.get('tokenise', nan):>8.3f} {ph.get('hash', nan):>6.3f} "
-            f"{row.get('warm_cpu_us_per_new_token', nan):>7.2f}"
+            f"{row.get('warm_cpu_us_per_new_token', nan):>7.2f} "
+            f"{row.get('warm_prewarmed_cpu', {}).get('median_ms', nan):>9.3f}"
         )
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from index.keys import block_keys
 from index.prompt import DEFAULT_MAX_KEY_NODES, KeyContext, Prompt, PromptKeyer, validate_cache_salt
 from index.render import ContentFormatOption, ModelRenderer, RenderOptions, Tokenized
-from index.render_errors import InvalidPrompt, ModelNotServed, RenderUnsupported
+from index.render_errors import InvalidPrompt, ModelNotServed, RenderError, RenderUnsupported
 from index.segments import DEFAULT_MAX_CACHED_TOKENS
 from index.tokenizer import load_tokenizer_files, read_chat_template
 
@@ -195,6 +195,37 @@ class RendererRegistry:
         prompts = [self._prompt(target, salt, t) for t in renderer.tokenize_completion(body)]
         self.stats.local_completion += 1
         return prompts
+
+    def prewarm_reply(self, body: Mapping[str, Any], reply: str) -> None:
+        """Cache the next turn's pieces while the client reads ``reply``.
+
+        Call after the response to chat ``body`` completed (off the request path, e.g. in
+        the task that relayed the stream).  It renders ``body``'s messages plus the
+        assistant ``reply`` without a generation prompt, so the reply's piece, and the
+        block keys through it, are cached before the next turn arrives; that turn then
+        tokenises only the new user message.  Purely a cache fill: it never raises for
+        a bad body or a model without a local tokenizer, and if the template renders a
+        non-final assistant message differently, the next turn simply misses.
+        """
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not isinstance(reply, str):
+            return
+        model = body.get("model")
+        target = self._targets.get(model) if isinstance(model, str) else None
+        if target is None or target.renderer is None:
+            return
+        warm = {
+            **body,
+            "messages": [*messages, {"role": "assistant", "content": reply}],
+            "add_generation_prompt": False,
+            "continue_final_message": False,
+            "truncate_prompt_tokens": None,
+        }
+        try:
+            salt = validate_cache_salt(body.get("cache_salt"))
+            self._prompt(target, salt, target.renderer.tokenize_chat(warm))
+        except RenderError:
+            return
 
     def prompt_from_tokens(
         self, model: str, token_ids: list[int], *, cache_salt: str | None = None
