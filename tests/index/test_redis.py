@@ -225,14 +225,15 @@ async def test_nothing_stale_survives_an_outage(private_redis: Any) -> None:
 async def test_lease_exclusive_expiry_and_release(redis_url: str, redis_namespace: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     key = f"{redis_namespace}:lease:x"
-    a = RedisLease(client, key, "a", ttl_s=0.6)
-    b = RedisLease(client, key, "b", ttl_s=0.6)
+    a = RedisLease(client, key, "a", ttl_s=1.0)
+    b = RedisLease(client, key, "b", ttl_s=1.0)
     try:
+        await client.ping()  # connect outside the lease's short timeouts
         assert await a.try_acquire() and a.valid()
         assert not await b.try_acquire()
         assert await a.try_acquire()  # re-acquiring our own lease renews it
         assert await a.renew() and await a.holder() == "a"
-        await asyncio.sleep(0.65)  # a stops renewing (crashed or paused)
+        await asyncio.sleep(1.05)  # a stops renewing (crashed or paused)
         assert not a.valid()
         assert await b.try_acquire() and await b.holder() == "b"
         assert not await a.renew() and not a.valid()
