@@ -89,6 +89,7 @@ from router.scoring import (
     ScoringWeights,
     combine_load,
     foreign_load,
+    index_trust,
     pick,
     rank_replicas,
 )
@@ -462,7 +463,7 @@ class KvPolicy:
                 hot_blocks=min(hit.blocks, second),
                 costs=cfg.costs,
             ))
-            self._last_terms[r] = (terms, fresh.receipt_trust)
+            self._last_terms[r] = (terms, index_trust(fresh, cfg.weights))
         return inputs, sighted
 
     def _affinity(
