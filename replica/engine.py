@@ -149,7 +149,9 @@ class SimEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (``AllBlocksCleared``); ``False`` while blocks are in use.
 
-        The ``Cleared`` event goes out with the next step's batch, or at once when idle.
+        As in vLLM 0.32, the ``AllBlocksCleared`` event goes out with the next engine
+        step's batch, even when the engine is idle: a router that watches events keeps
+        the old blocks until the next request runs (the real engine behaves the same).
         """
         ok = self.pool.reset()
         if ok:
@@ -168,8 +170,6 @@ class SimEngine:
             self._t0 = loop.time()
         while True:
             if not sched.has_work:
-                if self._reset_pending:
-                    await self._flush(pool.take_events())
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -237,8 +237,12 @@ async def test_events_on_a_real_sub_socket_and_replay(
         assert frames == [b"", b"kv@sim@m", seq, payload]
         end = await asyncio.wait_for(dealer.recv_multipart(), 5)
         assert end[-1] == b"" and end[-2] == b"\xff" * 8
-        # A reset publishes AllBlocksCleared with the next sequence number.
+        # A reset on an idle engine publishes nothing yet: like vLLM 0.32, the
+        # AllBlocksCleared goes out first in the next step's batch, with the next seq.
         async with http.post(f"{sim.url}/reset_prefix_cache") as resp:
+            assert resp.status == 200
+        assert await sub.poll(300) == 0
+        async with http.post(f"{sim.url}/v1/chat/completions", json=_chat(LONG_TEXT)) as resp:
             assert resp.status == 200
         _, seq1, payload1 = await _recv(sub)
         assert int.from_bytes(seq1, "big") == 1
