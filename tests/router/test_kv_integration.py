@@ -50,7 +50,7 @@ class Fleet:
 
 async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
                  configured: bool = True, index: dict[str, Any] | None = None,
-                 num_blocks: int = 4096, **scoring: Any) -> Fleet:
+                 num_blocks: int = 4096, discover: bool = False, **scoring: Any) -> Fleet:
     sims = [await stack.enter_async_context(
         start_sim(tok, model=MODEL, num_blocks=num_blocks, time_scale=0.002, seed=i))
         for i in range(N_REPLICAS)]
@@ -59,7 +59,7 @@ async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
         r: dict[str, Any] = {"url": s.url, "id": f"r{i}"}
         if configured:
             r["models"] = [MODEL]
-        if events:
+        if events and not discover:
             r["kv_events_endpoint"] = s.kv_events_endpoint
             r["replay_endpoint"] = s.replay_endpoint
         replicas.append(r)
@@ -70,7 +70,7 @@ async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
         "index": index or {"backend": "memory"},
         "scoring": {"models": [{"name": MODEL, "block_size": 16, "tokenizer": str(tok)}]
                     if configured else [],
-                    "discover_kv_events": False,
+                    "discover_kv_events": discover,
                     "scrape": {"interval_s": 0.2}, **scoring},
     })
     prom = CollectorRegistry()
@@ -286,17 +286,20 @@ async def test_policies_selectable_per_request_and_debug_route(
         assert resp.status == 400
 
 
-async def test_model_without_tokenizer_is_rendered_by_the_replicas(
+async def test_unconfigured_router_discovers_events_and_renders_on_replicas(
     stack: AsyncExitStack, tokenizer_dir: Path
 ) -> None:
-    # No model configured: the block size comes from the scrape, prompts from the
-    # replicas' /tokenize (a round trip per request), predictions stay exact.
-    f = await _fleet(stack, tokenizer_dir, configured=False)
+    # ``kvroute serve --replica URL ...`` and nothing else: KV event streams come from
+    # /kv_event_sources, the block size from the scrape, prompts from the replicas'
+    # /tokenize (a round trip per request); predictions stay exact.
+    f = await _fleet(stack, tokenizer_dir, configured=False, discover=True)
     await asyncio.sleep(0.5)  # the first scrape tells the block size
     convs = [Conversation(system=f"Unconfigured {i}. " * 30, session=f"u{i}") for i in range(4)]
     await asyncio.gather(*(converse(f, c, 4, think_s=0.1) for c in convs))
     later = [c.turns[i] for c in convs for i in range(1, 4)]
     assert all(t.reason == "kv_hit" for t in later), [[t.reason for t in c.turns] for c in convs]
+    # every event source is live: a first turn is a known miss, placed by load
+    assert {c.turns[0].reason for c in convs} == {"kv_new"}
     assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
     assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
 
