@@ -26,6 +26,7 @@ A key of 0 is never produced on purpose; a collision with 0 is as unlikely as an
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -69,7 +70,7 @@ def block_keys(
     prev = root_key(model) if parent is None else parent
     lora = _LORA_TAG + lora_name.encode() if lora_name else b""
     salt = _SALT_TAG + cache_salt.encode() if cache_salt else b""
-    packed = array("I", tokens[: n_blocks * block_size]).tobytes()
+    packed = _le_u32(tokens[: n_blocks * block_size])
     width = 4 * block_size
     keys: list[RequestKey] = []
     for i in range(n_blocks):
@@ -78,6 +79,17 @@ def block_keys(
         prev = RequestKey(_hash(prev.to_bytes(8, "little") + chunk + extra))
         keys.append(prev)
     return keys
+
+
+def _le_u32(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 (``array("I")`` is 4 bytes on CPython's platforms)."""
+    try:
+        packed = array("I", tokens)
+    except OverflowError as exc:
+        raise ValueError("token ids must be in [0, 2**32)") from exc
+    if sys.byteorder == "big":  # pragma: no cover - big-endian hosts only
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def expected_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
