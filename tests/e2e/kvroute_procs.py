@@ -43,6 +43,12 @@ SYSTEM = (
     "You are the support assistant of a bicycle repair shop. Answer in one short sentence, "
     "quote the price list when asked about prices, and ask for the frame number first. "
 )
+THINK_S = 1.0
+"""A user's pause between two requests.  Besides realism it paces the test's traffic:
+the routers estimate each replica's eviction horizon from its block allocation rate, and
+back-to-back turns on the e2e fleet's 64-block pools would make that horizon shorter
+than the gap between a conversation's turns, i.e. predict an eviction that a paced
+workload of this size never causes."""
 QUESTIONS = [
     "My rear brake squeaks when it rains. What should I check first?",
     "And how much does a new set of brake pads cost, fitted?",

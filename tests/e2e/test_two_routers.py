@@ -9,6 +9,7 @@ engine's ``cached_tokens`` confirm it.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import redis
 from kvroute_procs import (
     QUESTIONS,
+    THINK_S,
     Conversation,
     KvrouteProcess,
     chosen,
@@ -81,12 +83,14 @@ def test_either_router_sends_the_next_turn_where_the_cache_is(
 ) -> None:
     first, second = routers[0], routers[1]
     model, block = vllm_fleet[0].served_model_name, vllm_fleet[0].block_size
-    convs = [Conversation.new(model, f"two-routers-{i}") for i in range(4)]
+    convs = [Conversation.new(model, f"two-routers-{i}") for i in range(2)]
     for conv in convs:
         send_turn(first, conv, QUESTIONS[0])
+        time.sleep(THINK_S)
     # Turn 2 through the other router, turn 3 back through the first one.
     for question, via, other in ((QUESTIONS[1], second, first), (QUESTIONS[2], first, second)):
         for conv in convs:
+            time.sleep(THINK_S)
             previous = conv.turns[-1]
             decision = wait_indexed(via, conv, question, block)
             same = other.debug_route(model, conv.next_messages(question), conv.session)
