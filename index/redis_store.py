@@ -21,9 +21,11 @@ key                            type    content
 Contracts:
 
 * **One round trip per lookup**: a Lua script (``redis_lookup.lua``) returns the bitmaps
-  of the prompt's keys up to the first key nobody holds; the prefix scan then runs here
-  (``index.masks.scan_masks``).  Replica names are cached locally and refreshed when an
-  unknown bit appears (a new replica: one extra round trip, once).
+  of the prompt's keys up to the first key nobody holds, as one length-prefixed string
+  (the keys go in as one argument: the pure-Python client then encodes and parses two
+  values, not 800); the prefix scan runs here (``index.masks.scan_masks``).  Replica
+  names are cached locally and refreshed when an unknown bit appears (a new replica: one
+  extra round trip, once).
 * **Atomic updates**: ``apply`` sends one event batch's operations as one Lua script call
   (``redis_apply.lua``); readers see a batch entirely or not at all.
 * **Bounded memory**: every key written carries a TTL (``ttl_s``, default one day): a
@@ -39,6 +41,7 @@ Contracts:
   ``write_timeout_s`` for writes) with no retries; connection errors and timeouts raise
   ``IndexUnavailable``.  The client reconnects by itself on the next call.
 * Not Redis Cluster compatible (the scripts build key names); use one primary.
+  Bitmaps are at most 255 bytes, so ``max_replicas`` is at most 680.
 * ``max_replicas`` (the stride, default 256) is fixed per namespace: event sources, DP
   ranks included, that have ever written to it.
 """
@@ -95,6 +98,8 @@ class RedisIndex:
         self._op_timeout = op_timeout_s
         self._write_timeout = write_timeout_s
         self._ttl = ttl_s
+        if not 0 < max_replicas <= 680:
+            raise ValueError("max_replicas must be in 1..680 (3 tiers x 680 bits <= 255 bytes)")
         self._stride = max_replicas
         self._lim = (1 << max_replicas) - 1
         self._apply = client.register_script(_script("redis_apply.lua"))
@@ -182,12 +187,19 @@ class RedisIndex:
         if not keys:
             return PrefixHits()
         pre = f"{self.ns}:m:"
-        mkeys = [f"{pre}{k}" for k in keys]
-        raw: list[bytes] = await self._call(lambda: self._lookup(keys=mkeys), self._op_timeout)
-        if not raw:
+        arg = " ".join(map(str, keys))
+        blob: bytes = await self._call(
+            lambda: self._lookup(keys=[], args=[pre, arg]), self._op_timeout
+        )
+        if not blob:
             return PrefixHits()
         rev = _REVERSE
-        values = [int.from_bytes(v.translate(rev), "little") for v in raw]
+        values: list[int] = []
+        pos, end = 0, len(blob)
+        while pos < end:
+            n = blob[pos]
+            values.append(int.from_bytes(blob[pos + 1 : pos + 1 + n].translate(rev), "little"))
+            pos += 1 + n
         seen = 0
         for v in values:
             seen |= v
