@@ -281,6 +281,9 @@ class ScoringSettings(_Section):
     discover_kv_events: bool = True
     """Replicas without ``kv_events_endpoint``: find their KV event streams at ``GET
     /kv_event_sources`` (vLLM 0.31+, the simulated replica); retried slowly if absent."""
+    startup_sync_s: float = Field(default=3.0, ge=0)
+    """At start-up, wait up to this long for the KV event sources to be connected and
+    replayed before serving (the first requests would otherwise route blind)."""
     auto_models: bool = True
     """A requested model not listed in ``models`` is rendered by a replica (``/tokenize``)
     with the block size the replicas report (``vllm:cache_config_info``): KV routing

@@ -34,8 +34,10 @@ Algorithm, per request (``KvPolicy.decide``):
 6. **Fallback: session affinity** (``router.affinity``) when the index has nothing
    useful: it is down, the prompt could not be rendered, or the best expected hit is
    below ``min_hit_tokens`` while some candidate's event source is not live (the index
-   may simply not know where the session is).  The ring (uhashring, ketama) pins the
-   session key (header, ``user``, first message, or prompt prefix); a pinned replica
+   may simply not know where the session is).  A session seen before stays on the
+   replica of its previous turn (wherever that was decided); otherwise the ring
+   (uhashring, ketama) pins the session key (header, ``user``, first message, or prompt
+   prefix); a pinned replica
    whose load exceeds the least loaded by ``balance_abs_tokens`` and ``balance_rel``x
    yields to the least loaded (reason ``affinity_overload``).  When every candidate's
    event source is live, a miss means a genuinely new prefix: it is placed by the same
@@ -339,7 +341,8 @@ class KvPolicy:
             else:
                 reason = "kv_load"
         else:
-            ordered, overloaded = self._affinity(ranked, preference)
+            sticky = previous.replica if previous is not None else None
+            ordered, overloaded = self._affinity(ranked, preference, sticky)
             chosen = ordered[0]
             reason = "affinity_overload" if overloaded else f"affinity_{fallback}"
         t_score = time.perf_counter()
@@ -467,11 +470,16 @@ class KvPolicy:
         return inputs, sighted
 
     def _affinity(
-        self, ranked: list[ReplicaScore], preference: Mapping[ReplicaId, int]
+        self,
+        ranked: list[ReplicaScore],
+        preference: Mapping[ReplicaId, int],
+        sticky: ReplicaId | None = None,
     ) -> tuple[list[ReplicaScore], bool]:
-        """Ring order, unless the pinned replica is overloaded (abs and rel)."""
+        """The session's previous replica (where its cache is, whoever placed it), else
+        ring order; unless the pinned replica is overloaded (abs and rel)."""
         last = len(preference)
-        ordered = sorted(ranked, key=lambda s: preference.get(s.replica, last))
+        ordered = sorted(ranked, key=lambda s: (s.replica != sticky,
+                                                preference.get(s.replica, last)))
         w = self.config.weights
 
         def cost(s: ReplicaScore) -> float:

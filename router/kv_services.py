@@ -227,6 +227,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
                                          observer=_HorizonObserver(horizon, ctx))
             tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
+            if ctx.settings.policy == "kv":
+                await _await_live(ingestion, specs, s.startup_sync_s)
         if s.scrape.enabled:
             replicas = ctx.replicas
             scraper = MetricsScraper(
@@ -244,6 +246,33 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await index.aclose()
+
+
+async def _await_live(
+    ingestion: KVEventIngestion, specs: list[SourceSpec], timeout_s: float
+) -> None:
+    """Give the event sources up to ``timeout_s`` to connect and replay before traffic
+    starts, so the first requests do not route on an index that is still filling.
+
+    Configured endpoints are waited for; a replica found only by URL is waited for
+    once its discovery succeeded (a replica without ``/kv_event_sources`` gets 0.5 s)."""
+    if timeout_s <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    explicit = [s.replica for s in specs if s.endpoint is not None]
+    by_url = [s.replica for s in specs if s.endpoint is None]
+    while loop.time() - start < timeout_s:
+        statuses = ingestion.statuses()
+        live = {r for r, st in statuses.items() if st.state == "live" and st.connected}
+        pending = [r for r in explicit if r not in live]
+        pending += [r for r in by_url if r in statuses and r not in live]
+        undiscovered = [r for r in by_url if r not in statuses]
+        if not pending and (not undiscovered or loop.time() - start > 0.5):
+            return
+        await asyncio.sleep(0.05)
+    _log.warning("KV event sources not all live after %.1f s; routing starts anyway",
+                 timeout_s)
 
 
 def _pool_listener(horizon: HorizonEstimator) -> Callable[[ReplicaId, ScrapeSample], None]:

@@ -197,7 +197,11 @@ async def test_shared_system_prompt_spreads_under_concurrency_and_when_paced(
     await asyncio.gather(*(converse(f, c, 2) for c in burst))
     spread = collections.Counter(c.turns[0].replica for c in burst)
     assert len(spread) >= 3 and max(spread.values()) <= 8, spread
-    assert all(c.turns[1].replica == c.turns[0].replica for c in burst)
+    # a later turn may leave for a less loaded replica only when that costs little: the
+    # shared prompt is everywhere by now and the session's own part is one short turn
+    assert sum(c.turns[1].replica == c.turns[0].replica for c in burst) >= 6
+    best = max(c.turns[1].cached or 0 for c in burst)
+    assert all((c.turns[1].cached or 0) >= 0.9 * best for c in burst)
     assert sum(c.turns[1].cached == c.turns[1].predicted for c in burst) >= 15
 
     paced = [Conversation(system=SHARED, session=f"p{i}") for i in range(24)]
