@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--redis-budget",
         type=float,
-        default=60.0,
+        default=30.0,
         help="seconds for filling Redis (event path, then bulk adds)",
     )
     p.add_argument("--json", metavar="FILE", default=None)
