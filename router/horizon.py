@@ -54,7 +54,7 @@ class PoolSample:
 class _Replica:
     __slots__ = (
         "rate", "pending_blocks", "last_rate_t", "free_blocks", "pool_t",
-        "last_prompt", "last_gen", "block_size",
+        "last_prompt", "last_gen", "block_size", "allocated",
     )
 
     def __init__(self) -> None:
@@ -66,6 +66,7 @@ class _Replica:
         self.last_prompt: float | None = None
         self.last_gen: float | None = None
         self.block_size: int | None = None
+        self.allocated = 0.0
 
 
 class HorizonEstimator:
@@ -83,8 +84,13 @@ class HorizonEstimator:
             state = self._r[replica] = _Replica()
         return state
 
-    def observe_scrape(self, replica: ReplicaId, s: PoolSample) -> None:
-        """Fold one scrape in: pool size and counter deltas (counter resets are skipped)."""
+    def observe_scrape(
+        self, replica: ReplicaId, s: PoolSample, *, count_allocations: bool = True
+    ) -> None:
+        """Fold one scrape in: pool size and counter deltas (counter resets are skipped).
+
+        ``count_allocations=False`` when KV events already feed ``observe_allocated`` for
+        this replica (they are exact and immediate; counting both would double)."""
         st = self._get(replica)
         if s.block_size:
             st.block_size = s.block_size
@@ -101,13 +107,14 @@ class HorizonEstimator:
             if st.last_gen is not None and s.generation_tokens_total >= st.last_gen:
                 tokens += s.generation_tokens_total - st.last_gen
             st.last_gen = s.generation_tokens_total
-        if st.block_size:
+        if st.block_size and count_allocations:
             self.observe_allocated(replica, s.t, tokens / st.block_size)
 
     def observe_allocated(self, replica: ReplicaId, t: float, blocks: float) -> None:
         """``blocks`` newly allocated at time ``t`` (from counters or ``BlockStored``)."""
         st = self._get(replica)
         st.pending_blocks += max(0.0, blocks)
+        st.allocated += max(0.0, blocks)
         if st.last_rate_t is None:
             st.last_rate_t = t
             st.pending_blocks = 0.0
@@ -122,6 +129,19 @@ class HorizonEstimator:
             st.rate += (1.0 - math.exp(-dt / self.tau_s)) * (sample - st.rate)
         st.pending_blocks = 0.0
         st.last_rate_t = t
+
+    def allocated(self, replica: ReplicaId) -> float:
+        """Blocks allocated on ``replica`` since it was first seen (a running count: the
+        difference between two readings is what LRU consumed in between)."""
+        st = self._r.get(replica)
+        return st.allocated if st is not None else 0.0
+
+    def free_blocks(self, replica: ReplicaId, now: float) -> float | None:
+        """Free (incl. evictable) blocks at the last fresh scrape, if any."""
+        st = self._r.get(replica)
+        if st is None or st.free_blocks is None or st.pool_t is None:
+            return None
+        return st.free_blocks if now - st.pool_t <= self.stale_s else None
 
     def allocation_rate(self, replica: ReplicaId) -> float | None:
         """Blocks allocated per second (EWMA), if measured."""

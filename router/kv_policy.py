@@ -253,7 +253,11 @@ class KvPolicy:
         detail = decision.detail
         session = detail.get("session")
         if isinstance(session, str):
-            self.sessions.finished(session, receipt.replica, now)
+            self.sessions.finished(
+                session, receipt.replica, now,
+                alloc_mark=self.horizon.allocated(receipt.replica),
+                free_mark=self.horizon.free_blocks(receipt.replica, now),
+            )
         predicted = decision.predicted_cached_tokens
         if predicted is None or not receipt.ok or receipt.replica != decision.replica:
             return
@@ -418,9 +422,6 @@ class KvPolicy:
         runs = sorted((h.blocks for h in by_replica.values()), reverse=True)
         second = runs[1] if len(runs) > 1 else 0
         prev_replica = previous.replica if previous is not None else None
-        age = 0.0
-        if previous is not None and previous.finished_at is not None:
-            age = max(0.0, now - previous.finished_at)
         inputs = []
         sighted = True
         for r in candidates:
@@ -456,13 +457,18 @@ class KvPolicy:
             fresh, live = self._freshness.get(r, now, wall, self.calibration.trust(r))
             sighted = sighted and live
             hit = by_replica.get(r, _NO_HIT)
+            horizon = self.horizon.horizon_s(r, now)
+            consumed = 0.0
+            if r == prev_replica and previous is not None:
+                consumed = self._tail_consumed(previous, horizon, now)
             inputs.append(ReplicaInput(
                 replica=r,
                 hit=hit,
                 load=terms,
                 freshness=fresh,
-                horizon_s=self.horizon.horizon_s(r, now),
-                age_s=age if r == prev_replica else 0.0,
+                horizon_s=horizon,
+                free_blocks=self.horizon.free_blocks(r, now),
+                tail_consumed=consumed,
                 hot_blocks=min(hit.blocks, second),
                 costs=cfg.costs,
             ))
@@ -545,6 +551,21 @@ class KvPolicy:
                     request.request_id, br.cause, br.position, br.previous_tokens,
                     br.message_index, br.message_role, br.lost_tokens,
                 )
+
+    def _tail_consumed(
+        self, previous: SessionState, horizon: float | None, now: float
+    ) -> float:
+        """Share of the free pool the session's replica allocated since its last turn
+        finished: from the allocation count (exact under bursts), else from the time in
+        horizons."""
+        if previous.finished_at is None:
+            return 0.0  # still running: its blocks are pinned
+        if previous.alloc_mark is not None and previous.free_mark:
+            used = self.horizon.allocated(previous.replica) - previous.alloc_mark
+            return max(0.0, used) / previous.free_mark
+        if horizon is None or math.isinf(horizon) or horizon <= 0:
+            return 0.0
+        return max(0.0, now - previous.finished_at) / horizon
 
     def _fluid_queue(self, replica: ReplicaId, now: float) -> float:
         """Prefill tokens this policy sent to ``replica`` that a replica prefilling at

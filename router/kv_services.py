@@ -236,7 +236,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
                 stale_after_s=s.scrape.stale_after_s,
             )
-            scraper.add_listener(_pool_listener(horizon))
+            scraper.add_listener(_pool_listener(horizon, lambda: ingestion))
             tasks.append(ctx.tasks.spawn(scraper.run(), name="kv-scrape"))
         yield KvServices(prompts, index, horizon, scraper, ingestion)
     finally:
@@ -275,14 +275,18 @@ async def _await_live(
                  timeout_s)
 
 
-def _pool_listener(horizon: HorizonEstimator) -> Callable[[ReplicaId, ScrapeSample], None]:
+def _pool_listener(
+    horizon: HorizonEstimator, ingestion: Callable[[], KVEventIngestion | None]
+) -> Callable[[ReplicaId, ScrapeSample], None]:
     def on_sample(replica: ReplicaId, sample: ScrapeSample) -> None:
+        ing = ingestion()
+        status = ing.status(replica) if ing is not None else None
         horizon.observe_scrape(replica, PoolSample(
             t=sample.t, block_size=sample.block_size, num_gpu_blocks=sample.num_gpu_blocks,
             kv_usage=sample.kv_usage,
             computed_prompt_tokens_total=sample.computed_prompt_tokens_total,
             generation_tokens_total=sample.generation_tokens_total,
-        ))
+        ), count_allocations=status is None or status.batches == 0)
     return on_sample
 
 

@@ -27,17 +27,20 @@ The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
     reset/restart (recovering linearly over a window), and by the receipt calibration
     (how often this replica's reported ``cached_tokens`` fell short of predictions).
   - ``p_resident`` is the chance a block is still resident when the request is
-    scheduled.  A vLLM block freed now is reused after everything ahead of it in the
-    free queue has been allocated, so an idle block survives about
-    ``horizon_s = free_blocks / allocation_rate`` seconds (``router.horizon``).  A block's
-    exposure is the event lag (the index reflects the replica as of ``lag`` ago) plus the
-    expected queue wait before the request is scheduled (``queued_prefill_tokens /
-    prefill_tokens_per_s``), plus, for the request's own tail blocks, the time since they
-    were last used (``age_s``: a session's think time).  Blocks that other replicas also
-    hold (``hot_blocks``: a popular prefix) are assumed recently touched (age 0).  The
-    survival curve is 1 up to ``(1 - spread) * horizon``, 0 after ``(1 + spread) *
-    horizon`` and linear between, because the horizon is an estimate.  An unknown
-    horizon (no churn measured) means no eviction risk.
+    scheduled.  vLLM keeps freed blocks in an LRU free queue and allocates from its
+    head, so a block freed when the pool had ``F`` free blocks is evicted once ``F`` more
+    blocks have been allocated (``router.horizon``: at the current allocation rate,
+    after ``horizon_s = free_blocks / rate`` seconds).  A block's *pressure* is the share
+    of that budget used up by the time the request is scheduled: the event lag in
+    horizons (the index reflects the replica as of ``lag`` ago), plus the blocks the
+    prefill queue ahead will allocate (``queued_prefill_tokens / block_size`` over the
+    free pool; without a pool size, the queue wait in horizons), plus, for the
+    request's own tail blocks, the share of the pool allocated since they were last
+    used (``tail_consumed``, measured from the replica's allocation count, so a burst
+    does not age a session that was not there).  Blocks that other replicas also hold
+    (``hot_blocks``: a popular prefix) are assumed recently touched.  Survival is 1 up
+    to a pressure of ``1 - spread``, 0 from ``1 + spread``, linear between (the counts
+    are estimates).  Unknown pool and horizon mean no eviction risk.
 
 * ``queued_prefill_tokens`` and ``decode_load`` combine the router's own in-flight
   accounting with the foreign load a scrape shows (``foreign_load``, ``combine_load``):
@@ -162,8 +165,11 @@ class ReplicaInput:
     horizon_s: float | None = None
     """Eviction horizon: how long an idle block survives; ``None`` = no eviction risk
     measured."""
-    age_s: float = 0.0
-    """Seconds since this request's own (non-hot) blocks were last used on the replica."""
+    free_blocks: float | None = None
+    """The replica's free (incl. evictable) KV blocks, if scraped."""
+    tail_consumed: float = 0.0
+    """Share of the free pool allocated since this request's own (non-hot) blocks were
+    last used on the replica (1 = they are gone by LRU)."""
     hot_blocks: int = 0
     """Leading blocks of the run that are popular (held elsewhere too): age 0."""
     costs: CostModel = CostModel()
@@ -242,22 +248,22 @@ def _recovering(since_s: float | None, floor: float, window_s: float) -> float:
     return floor + (1.0 - floor) * max(0.0, since_s) / window_s
 
 
-def resident_probability(exposure_s: float, horizon_s: float | None, spread: float) -> float:
-    """Chance an idle block is still resident after ``exposure_s`` seconds.
+def resident_probability(pressure: float, spread: float) -> float:
+    """Chance an idle block is still resident under ``pressure`` (the share of the free
+    pool allocated before it is needed): 1 up to ``1 - spread``, 0 from ``1 + spread``,
+    linear between."""
+    lo, hi = 1.0 - spread, 1.0 + spread
+    if pressure <= lo:
+        return 1.0
+    if pressure >= hi:
+        return 0.0
+    return (hi - pressure) / (hi - lo)
 
-    1 up to ``(1 - spread) * horizon``, 0 from ``(1 + spread) * horizon``, linear between;
-    1 when the horizon is unknown (``None``) or infinite."""
-    if horizon_s is None or math.isinf(horizon_s):
-        return 1.0
-    if horizon_s <= 0:
+
+def _in_horizons(seconds: float, horizon_s: float | None) -> float:
+    if horizon_s is None or math.isinf(horizon_s) or seconds <= 0:
         return 0.0
-    lo = (1.0 - spread) * horizon_s
-    hi = (1.0 + spread) * horizon_s
-    if exposure_s <= lo:
-        return 1.0
-    if exposure_s >= hi:
-        return 0.0
-    return (hi - exposure_s) / (hi - lo)
+    return math.inf if horizon_s <= 0 else seconds / horizon_s
 
 
 def combine_load(
@@ -340,9 +346,13 @@ def score_replica(
     rate = inp.costs.prefill_tokens_per_s
     queued = inp.load.queued_prefill_tokens
     wait_s = queued / rate if rate > 0 else 0.0
-    base = max(0.0, inp.freshness.lag_s) + wait_s
-    p_hot = resident_probability(base, inp.horizon_s, w.horizon_spread)
-    p_tail = resident_probability(base + max(0.0, inp.age_s), inp.horizon_s, w.horizon_spread)
+    pressure = _in_horizons(max(0.0, inp.freshness.lag_s), inp.horizon_s)
+    if inp.free_blocks is not None and block_size > 0:
+        pressure += (queued / block_size) / max(inp.free_blocks, 1.0)
+    else:
+        pressure += _in_horizons(wait_s, inp.horizon_s)
+    p_hot = resident_probability(pressure, w.horizon_spread)
+    p_tail = resident_probability(pressure + max(0.0, inp.tail_consumed), w.horizon_spread)
 
     if g == usable:  # all on GPU: the common case
         weighted = p_hot * hot + p_tail * (usable - hot)

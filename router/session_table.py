@@ -32,6 +32,10 @@ class SessionState:
     shape: PromptShape | None = None
     finished_at: float | None = None
     turns: int = 1
+    alloc_mark: float | None = None
+    """The replica's allocation count when the turn finished (``HorizonEstimator``)."""
+    free_mark: float | None = None
+    """The replica's free blocks when the turn finished."""
 
 
 class SessionTable:
@@ -69,11 +73,13 @@ class SessionTable:
         previous = None
         if old is not None:
             previous = SessionState(
-                old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns
+                old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns,
+                old.alloc_mark, old.free_mark,
             )
             self._bytes -= len(old.tokens)
             old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
             old.finished_at = None
+            old.alloc_mark = old.free_mark = None
             old.turns += 1
             self._s.move_to_end(key)
         else:
@@ -82,11 +88,21 @@ class SessionTable:
         self._trim()
         return previous
 
-    def finished(self, key: str, replica: ReplicaId, now: float) -> None:
-        """The turn routed to ``replica`` finished at ``now``."""
+    def finished(
+        self,
+        key: str,
+        replica: ReplicaId,
+        now: float,
+        *,
+        alloc_mark: float | None = None,
+        free_mark: float | None = None,
+    ) -> None:
+        """The turn routed to ``replica`` finished at ``now`` (with the replica's
+        allocation count and free pool then, when known)."""
         state = self._s.get(key)
         if state is not None and state.replica == replica:
             state.finished_at = now
+            state.alloc_mark, state.free_mark = alloc_mark, free_mark
 
     def _trim(self) -> None:
         while self._s and (

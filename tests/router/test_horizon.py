@@ -64,3 +64,16 @@ def test_events_can_feed_the_rate() -> None:
                           (5.0, None, "unknown"), (1e9, math.inf, "within_horizon")])
 def test_classify_return(think: float, horizon: float | None, outcome: str) -> None:
     assert classify_return(think, horizon) == outcome
+
+
+def test_allocation_count_and_free_pool_for_lru_marks() -> None:
+    h = HorizonEstimator(stale_s=5.0)
+    h.observe_allocated(A, 0.0, 10)
+    h.observe_allocated(A, 1.0, 30)
+    assert h.allocated(A) == 40 and h.allocated(ReplicaId("x")) == 0
+    assert h.free_blocks(A, 1.0) is None
+    h.observe_scrape(A, sample(1.0, 160, 0, usage=0.5), count_allocations=False)
+    assert h.allocated(A) == 40  # events already count them
+    assert h.free_blocks(A, 1.0) == 500 and h.free_blocks(A, 7.0) is None
+    h.observe_scrape(A, sample(2.0, 320, 0, usage=0.5))
+    assert h.allocated(A) == 50

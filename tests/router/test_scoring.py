@@ -61,11 +61,15 @@ def inp(
         ("prompt shorter than a block", inp(gpu=1), 10, 0, -10.0),
         ("queued prefill", inp(gpu=3, queued=500), 100, 48, -552.0),
         ("decode load", inp(gpu=3, decode=2), 100, 48, -52.0 - 2 * W.gamma),
-        ("unknown horizon: no eviction risk", inp(gpu=3, horizon_s=None, age_s=1e6), 100, 48,
-         -52.0),
-        ("tail expired, hot prefix survives", inp(gpu=4, hot_blocks=2, horizon_s=10.0,
-                                                  age_s=100.0), 100, 32, -68.0),
-        ("everything expired", inp(gpu=4, horizon_s=10.0, age_s=100.0), 100, 0, -100.0),
+        ("tail well within the pool", inp(gpu=3, tail_consumed=0.4), 100, 48, -52.0),
+        ("tail half-way down the ramp", inp(gpu=3, tail_consumed=1.0), 100, 24, -76.0),
+        ("tail expired, hot prefix survives", inp(gpu=4, hot_blocks=2, tail_consumed=2.0),
+         100, 32, -68.0),
+        ("everything expired", inp(gpu=4, tail_consumed=2.0), 100, 0, -100.0),
+        # 400 queued tokens will allocate 25 blocks of a 10-block free pool first
+        ("the queue ahead evicts it", inp(gpu=4, queued=400, free_blocks=10), 100, 0, -500.0),
+        ("a big pool absorbs the queue", inp(gpu=4, queued=400, free_blocks=1000), 100, 64,
+         -436.0),
     ],
 )
 def test_score_table(
@@ -134,12 +138,20 @@ def test_index_trust(freshness: Freshness, trust: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("exposure", "horizon", "p"),
-    [(0.0, None, 1.0), (1e9, math.inf, 1.0), (5.0, 10.0, 1.0), (10.0, 10.0, 0.5),
-     (12.5, 10.0, 0.25), (15.0, 10.0, 0.0), (1.0, 0.0, 0.0)],
+    ("pressure", "p"),
+    [(0.0, 1.0), (0.5, 1.0), (1.0, 0.5), (1.25, 0.25), (1.5, 0.0), (math.inf, 0.0)],
 )
-def test_resident_probability(exposure: float, horizon: float | None, p: float) -> None:
-    assert resident_probability(exposure, horizon, 0.5) == pytest.approx(p)
+def test_resident_probability(pressure: float, p: float) -> None:
+    assert resident_probability(pressure, 0.5) == pytest.approx(p)
+
+
+def test_unknown_or_infinite_horizon_means_no_lag_risk() -> None:
+    for horizon in (None, math.inf):
+        s = score_replica(inp(gpu=4, horizon_s=horizon, freshness=Freshness(lag_s=1e6)),
+                          100, BS, W)
+        assert s.p_resident_hot == 1.0
+    gone = score_replica(inp(gpu=4, horizon_s=0.0, freshness=Freshness(lag_s=1.0)), 100, BS, W)
+    assert gone.p_resident_hot == 0.0
 
 
 def test_queue_wait_counts_against_the_horizon() -> None:
@@ -278,7 +290,8 @@ inputs = st.builds(
                    placements=st.floats(min_value=0, max_value=100)),
     freshness=fresh,
     horizon_s=horizons,
-    age_s=seconds,
+    free_blocks=st.one_of(st.none(), st.floats(min_value=0, max_value=1e5)),
+    tail_consumed=st.floats(min_value=0, max_value=10),
     hot_blocks=blocks,
 )
 
@@ -338,7 +351,7 @@ def test_staleness_and_age_never_raise_the_score(
 ) -> None:
     base = score_replica(x, prompt, BS, W).score
     lagged = replace(x, freshness=replace(x.freshness, lag_s=x.freshness.lag_s + more_lag))
-    older = replace(x, age_s=x.age_s + more_age)
+    older = replace(x, tail_consumed=x.tail_consumed + more_age)
     down = replace(x, freshness=replace(x.freshness, connected=False))
     assert score_replica(lagged, prompt, BS, W).score <= base
     assert score_replica(older, prompt, BS, W).score <= base
