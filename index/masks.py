@@ -39,50 +39,68 @@ def scan_masks(
         return PrefixHits()
     s = stride
     lim = (1 << s) - 1
-    offloaded = max(values) > lim
-    if offloaded:
-        anyv = [v if v <= lim else (v | v >> s | v >> 2 * s) & lim for v in values]
-    else:
-        anyv = list(values)
-    runs = _runs(anyv, anyv[0] & allowed)
-    if not runs:
+    v = values[0]
+    active = (v | v >> s | v >> 2 * s) & lim & allowed
+    if not active:
         return PrefixHits()
-    slow: dict[int, list[int]] = {}  # bit -> [cpu, storage] blocks within its run
-    if offloaded:
-        for i, v in enumerate(values):
-            if v <= lim:
-                continue
-            off = anyv[i] & ~v
-            while off:
-                low = off & -off
+    if max(values) <= lim:
+        return _scan_gpu_only(values, active, ids)
+    runs: dict[int, int] = {}
+    slow: dict[int, list[int]] | None = None  # bit -> [cpu, storage] blocks
+    n = len(values)
+    for i, v in enumerate(values):
+        if v & active == active and v <= lim:
+            continue  # the hot path: every active replica holds it on GPU
+        if v <= lim:
+            held = v
+            offload = 0
+        else:
+            held = (v | v >> s | v >> 2 * s) & lim
+            offload = active & held & ~v
+        still = active & held
+        if still != active:
+            gone = active & ~still
+            while gone:
+                low = gone & -gone
+                runs[low.bit_length() - 1] = i
+                gone ^= low
+            active = still
+            if not active:
+                break
+        if offload:
+            if slow is None:
+                slow = {}
+            cpu = v >> s
+            while offload:
+                low = offload & -offload
                 b = low.bit_length() - 1
-                off ^= low
-                if runs.get(b, 0) > i:
-                    c = slow.setdefault(b, [0, 0])
-                    c[0 if (v >> s) & low else 1] += 1
+                c = slow.setdefault(b, [0, 0])
+                c[0 if cpu & low else 1] += 1
+                offload ^= low
+    while active:
+        low = active & -active
+        runs[low.bit_length() - 1] = n
+        active ^= low
     out: dict[ReplicaId, ReplicaHit] = {}
     n_ids = len(ids)
     for b, run in runs.items():
-        if b >= n_ids:
+        if run == 0 or b >= n_ids:
             continue
-        tiers = slow.get(b)
-        if tiers is None:
-            out[ids[b]] = ReplicaHit(run)
+        if slow is not None and b in slow:
+            cpu_n, sto_n = slow[b]
+            out[ids[b]] = ReplicaHit(run - cpu_n - sto_n, cpu_n, sto_n)
         else:
-            out[ids[b]] = ReplicaHit(run - tiers[0] - tiers[1], tiers[0], tiers[1])
+            out[ids[b]] = ReplicaHit(run)
     return PrefixHits(out)
 
 
-def _runs(values: Sequence[int], active: int) -> dict[int, int]:
-    """Bit -> length of its leading run, for the bits of ``active`` (runs > 0 only).
-
-    The running AND (computed in C) is non-increasing, each value a submask of the
-    previous, so each drop is found by bisection instead of a Python loop per key."""
-    runs: dict[int, int] = {}
-    if not active:
-        return runs
+def _scan_gpu_only(values: Sequence[int], active: int, ids: Sequence[ReplicaId]) -> PrefixHits:
+    """Every value is a plain GPU mask: the running AND (computed in C) is non-increasing
+    (each value a submask of the previous), so each drop is found by bisection."""
     acc = list(accumulate(values, and_, initial=active))
     # acc[i] = replicas holding blocks 0..i-1; a replica leaving at acc[j] has run j - 1.
+    out: dict[ReplicaId, ReplicaHit] = {}
+    n_ids = len(ids)
     j = 0
     cur = acc[0]
     last = len(acc) - 1
@@ -97,6 +115,8 @@ def _runs(values: Sequence[int], active: int) -> dict[int, int]:
         if run:
             while gone:
                 low = gone & -gone
-                runs[low.bit_length() - 1] = run
+                b = low.bit_length() - 1
+                if b < n_ids:
+                    out[ids[b]] = ReplicaHit(run)
                 gone ^= low
-    return runs
+    return PrefixHits(out)
