@@ -103,9 +103,9 @@ async def test_lookup_is_one_round_trip(rindex: RedisIndex, sync_redis: redis.Re
     after = calls()
     assert hits.by_replica == {A: ReplicaHit(50)}
     changed = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-    # GETs inside the script count too; the client sent exactly one EVALSHA.
+    # The MGET inside the script counts too; the client sent exactly one EVALSHA.
     assert changed.pop("cmdstat_evalsha") == 1
-    assert set(changed) <= {"cmdstat_get"}
+    assert set(changed) <= {"cmdstat_mget"}
 
 
 async def test_stride_is_fixed_per_namespace(redis_url: str, redis_namespace: str) -> None:
