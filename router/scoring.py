@@ -213,7 +213,9 @@ class ReplicaScore:
     usable_blocks: int
     """Matched blocks after the last-token rule."""
     predicted_cached_tokens: int
-    """Point prediction: the tokens the engine reports if the index is right."""
+    """Point prediction: the tokens the engine is most likely to report, i.e. the
+    usable matched blocks whose hit probability is at least one half (all of them
+    when nothing is stale or under eviction pressure)."""
     expected_cached_tokens: float
     """``B * sum P_i * v_i``: what the score credits."""
     p_index: float
@@ -377,7 +379,10 @@ def score_replica(
         cpu_blocks=hit.cpu_blocks,
         storage_blocks=hit.storage_blocks,
         usable_blocks=usable,
-        predicted_cached_tokens=usable * block_size,
+        predicted_cached_tokens=block_size * (
+            (hot if p_index * p_hot >= 0.5 else 0)
+            + (usable - hot if p_index * p_tail >= 0.5 else 0)
+        ),
         expected_cached_tokens=expected,
         p_index=p_index,
         p_resident_hot=p_hot,

@@ -154,6 +154,16 @@ def test_unknown_or_infinite_horizon_means_no_lag_risk() -> None:
     assert gone.p_resident_hot == 0.0
 
 
+def test_point_prediction_is_the_likely_outcome() -> None:
+    # the session's own tail is probably gone (P = 0.25): predict the hot prefix only
+    s = score_replica(inp(gpu=6, hot_blocks=2, tail_consumed=1.25), 200, BS, W)
+    assert s.predicted_cached_tokens == 2 * BS
+    assert s.expected_cached_tokens == pytest.approx(BS * (2 + 4 * 0.25))
+    # half-trusted index (disconnected source): still the most likely value
+    half = score_replica(inp(gpu=6, freshness=Freshness(connected=False)), 200, BS, W)
+    assert half.predicted_cached_tokens == 6 * BS
+
+
 def test_queue_wait_counts_against_the_horizon() -> None:
     # 20k tokens queued at 20k tok/s = 1 s wait; horizon 1 s: half-way down the ramp
     idle = score_replica(inp(gpu=4, horizon_s=1.0), 100, BS, W)
@@ -360,11 +370,14 @@ def test_staleness_and_age_never_raise_the_score(
 
 @settings(max_examples=300, deadline=None)
 @given(inputs, tokens)
-def test_expected_never_exceeds_the_point_prediction(x: ReplicaInput, prompt: int) -> None:
+def test_predictions_stay_within_the_usable_match(x: ReplicaInput, prompt: int) -> None:
     s = score_replica(x, prompt, BS, W)
-    assert 0 <= s.expected_cached_tokens <= s.predicted_cached_tokens + 1e-6
-    assert s.predicted_cached_tokens <= max(0, (prompt - 1) // BS) * BS
-    assert s.predicted_cached_tokens % BS == 0
+    held = s.usable_blocks * BS
+    assert s.usable_blocks <= min(x.hit.blocks, max(0, (prompt - 1) // BS))
+    assert 0 <= s.expected_cached_tokens <= held + 1e-6
+    assert 0 <= s.predicted_cached_tokens <= held and s.predicted_cached_tokens % BS == 0
+    if s.p_index == 1.0 and s.p_resident_tail == 1.0:
+        assert s.predicted_cached_tokens == held
     assert 0 <= s.p_index <= 1 and 0 <= s.p_resident_tail <= s.p_resident_hot <= 1
 
 
