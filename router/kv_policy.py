@@ -17,8 +17,9 @@ Algorithm, per request (``KvPolicy.decide``):
    until the first byte, then decoding) merged with the replica's scraped ``/metrics``
    (waiting, running; a stale scrape is unknown, not zero), the index freshness for that
    replica (event lag, disconnection, recent gaps and resets, receipt calibration), its
-   eviction horizon (``router.horizon``) and, for the session's previous replica, how
-   long ago the session's blocks were last used.
+   eviction horizon and free pool (``router.horizon``) and, for the session's previous
+   replica, how much of its free pool has been allocated since the session's last turn
+   finished (LRU: its idle blocks are evicted once that share reaches one).
 4. **Pure scoring** (``router.scoring``): ``score = -alpha * new_tokens - beta *
    queued_prefill_tokens - gamma * decode_load - delta * placements`` where
    ``new_tokens`` is the prompt minus the *expected* cached tokens: a sum over usable
