@@ -60,6 +60,13 @@ REQUIRED = {
     "vllm:prefix_cache_hits_total": "cached-token share",
     "router_queued_prefill_tokens": "per-replica load",
     "router_upstream_requests_total": "errors",
+    "router_receipt_prompt_tokens_total": "cached-token share and prefill tokens saved",
+    "router_kv_predicted_cached_tokens_total": "predicted vs actual cached tokens",
+    "router_session_turns_total": "stickiness of later turns",
+    "router_eviction_horizon_seconds": "eviction horizon",
+    "router_session_think_time_seconds_bucket": "think time",
+    "router_index_blocks": "index size",
+    "router_kv_events_receive_lag_seconds": "event lag",
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 
