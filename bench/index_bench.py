@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -80,7 +81,7 @@ def _payloads(total_blocks: int, seed: int) -> list[tuple[ReplicaId, bytes]]:
             parent = parents.get(r) if rng.random() < 0.75 else None
             hashes: list[int | bytes] = list(range(next_hash, next_hash + BLOCKS_PER_EVENT))
             next_hash += BLOCKS_PER_EVENT
-            tokens = [rng.randrange(32000) for _ in range(BS * BLOCKS_PER_EVENT)]
+            tokens = list(array("H", rng.randbytes(2 * BS * BLOCKS_PER_EVENT)))
             events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU", None))
             parents[r] = next_hash - 1
         payload = encode_batch(KVEventBatch(time.time(), events, 0))
@@ -234,7 +235,7 @@ async def _bench_memory(payloads: list[tuple[ReplicaId, bytes]], lookups: int) -
 
 async def _bench_redis(
     url: str, payloads: list[tuple[ReplicaId, bytes]], target_blocks: int, lookups: int,
-    budget_s: float,
+    budget_s: float, cleanup: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     prefix = f"kvbench{random.randrange(1 << 30)}"
     sync = redis.Redis.from_url(url)
@@ -266,8 +267,15 @@ async def _bench_redis(
         }
     finally:
         await index.aclose()
-        for key in sync.scan_iter(match=f"{prefix}:*", count=10_000):
-            sync.unlink(key)
+        if cleanup:
+            batch: list[bytes] = []
+            for key in sync.scan_iter(match=f"{prefix}:*", count=10_000):
+                batch.append(key)
+                if len(batch) >= 10_000:
+                    sync.unlink(*batch)
+                    batch.clear()
+            if batch:
+                sync.unlink(*batch)
         sync.close()
 
 
@@ -336,7 +344,9 @@ async def run(
         else:
             with _private_redis() as url:
                 if url is not None:
-                    results["redis"] = await _bench_redis(url, payloads, blocks, lookups, budget)
+                    results["redis"] = await _bench_redis(
+                        url, payloads, blocks, lookups, budget, cleanup=False
+                    )
     results["seconds"] = time.monotonic() - t0
     results["load_average"] = list(os.getloadavg())
     return results
