@@ -2,8 +2,9 @@
 
 * Provisioning: the datasource points at the compose Prometheus and carries the uid the
   dashboard refers to; the dashboard provider reads the folder compose mounts.
-* The dashboard's layout is well-formed (unique ids, panels on the 24-column grid without
-  overlaps, one query per refId).
+* The dashboard file is what ``deploy/grafana/build_dashboard.py`` writes, and its
+  layout is well-formed (unique ids, panels on the 24-column grid without overlaps, one
+  query per refId).
 * Every query parses as PromQL, and every metric it names is exported: ``router_*`` names
   by a running router and ``vllm:*`` names by a running simulated replica, both started
   here and scraped over HTTP, or (for series only real vLLM has) listed in vLLM 0.32's
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 import time
@@ -279,6 +281,12 @@ def test_dashboard_provider_reads_the_mounted_folder(
     assert f"./deploy/grafana/dashboards:{provider['options']['path']}:ro" in volumes
     home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == f"{provider['options']['path']}/kvroute.json"
+
+
+def test_dashboard_file_is_what_its_builder_writes(repo: Path) -> None:
+    builder = runpy.run_path(str(repo / "deploy/grafana/build_dashboard.py"))
+    current = (repo / "deploy/grafana/dashboards/kvroute.json").read_text("utf-8")
+    assert current == builder["render"](), "run python deploy/grafana/build_dashboard.py"
 
 
 def test_dashboard_layout_is_well_formed(dashboard: dict[str, Any]) -> None:
