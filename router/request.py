@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from index.prompt import validate_cache_salt
+from index.render_errors import InvalidCacheSalt
 from router.errors import BadRequest, BodyTooLarge
 from router.policy import Endpoint
 
@@ -124,4 +126,10 @@ def parse_body(endpoint: Endpoint, body: bytes) -> dict[str, Any] | None:
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", code="invalid_model")
+    if "cache_salt" in obj:
+        # vLLM rejects these too; rejecting here keeps a bad salt out of the index keys.
+        try:
+            validate_cache_salt(obj["cache_salt"])
+        except InvalidCacheSalt as exc:
+            raise BadRequest(str(exc), code="invalid_cache_salt") from None
     return obj
