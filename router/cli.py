@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import Any
 
+from router import indexer
+
 _SERVE_EPILOG = """\
 configuration sources, lowest priority first: defaults, the YAML file (--config),
 KVROUTE_* environment variables (nested fields with '__', e.g.
@@ -26,7 +28,7 @@ example:
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_serve(sub)
-    __import__("router.indexer", fromlist=["register"]).register(sub)  # kvroute indexer
+    indexer.register(sub)
 
 
 def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
