@@ -21,6 +21,11 @@ With ``lease`` settings (a shared Redis index), every source (or bound endpoint)
 ingested only while this process holds its lease (``index.lease``); the holder publishes
 the source's ``SourceStatus`` to Redis and ``statuses()`` includes what other holders
 published for the sources this process does not ingest.
+
+A source whose stream stays lost for ``SubscriberSettings.disconnect_grace_s`` (a dead
+engine) is cleared from the index by the process that ingests it (the lease holder),
+turns ``disconnected`` and is rebuilt from sequence 0 when it comes back; standby
+processes never clear (see ``index.subscriber`` for what bind mode detects).
 """
 
 from __future__ import annotations

@@ -22,10 +22,15 @@ from index.types import ReplicaId
 
 __all__ = ["SourceState", "SourceStatus", "status_from_json", "status_to_json"]
 
-SourceState = Literal["starting", "live", "resyncing", "degraded", "stopped", "standby"]
+SourceState = Literal[
+    "starting", "live", "resyncing", "degraded", "disconnected", "stopped", "standby"
+]
 """``live``: applying events; ``resyncing``: clearing/replaying; ``degraded``: the index
 or the replica's replay is unreachable (events may be lost; a resync follows);
-``standby``: another process holds the ingestion lease."""
+``disconnected``: the engine's stream was lost for longer than the grace period, so its
+entries were cleared (counted in ``resyncs``, ``last_reset_*`` set) and it is rebuilt
+from sequence 0 when it connects again; ``standby``: another process holds the
+ingestion lease."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +56,7 @@ class SourceStatus:
     replays: int = 0
     resyncs: int = 0
     """Times the replica's entries were cleared and rebuilt (restart, lost history,
-    failed replay, index outage, lease takeover)."""
+    failed replay, index outage, lease takeover, disconnection, reconnection)."""
     undecodable: int = 0
     last_reset_wall: float | None = None
     last_reset_monotonic: float | None = None

@@ -30,6 +30,16 @@ the interface notes):
   and rebuilt from replay: nothing stale survives an outage.
 * Repeated unknown parents (``index.ingest``) trigger the same rebuild, at most once per
   ``resync_min_interval_s``.
+* A source whose transport stays down for ``disconnect_grace_s`` (a dead engine) is
+  cleared from the index, counted as a resync (reason ``disconnected``), turns
+  ``disconnected``, and its sequence is forgotten; when it connects again it is rebuilt
+  (clear + replay from 0, reason ``reconnect``), as a restarted engine counts from 0.
+  A shorter blip changes nothing: live messages resume from ``last + 1`` (gap and restart
+  rules as above).  Only the process running the subscriber (the lease holder, with a
+  shared index) clears.  Connect mode follows each engine's connection through the socket
+  monitor.  Bind mode only sees the bound SUB's peers as a whole: its sources are cleared
+  when *no* engine has been connected for the grace period; one dead engine among others
+  still connected is not detected (its entries go only when it restarts and publishes).
 
 Every socket operation has a timeout; sockets are reopened with a backoff after errors;
 every task belongs to the subscriber's ``run()`` and ends with it (``run`` is cancelled
@@ -104,6 +114,8 @@ class SubscriberSettings:
     """Rebuilds requested by unknown parents happen at most this often."""
     recover_interval_s: float = 1.0
     """How often a degraded source retries clearing the index."""
+    disconnect_grace_s: float = 2.0
+    """How long a source's connection may stay lost before its entries are cleared."""
     resync_after_unknown_parents: int = 3
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
@@ -219,6 +231,10 @@ class SourceRunner:
         self._resync_reason: str | None = None
         self._last_resync = -1e18
         self._last_recover_try = -1e18
+        self._down_since: float | None = clock()
+        """When the transport was last seen lost (``None`` while connected)."""
+        self._down_cleared = False
+        """The entries were cleared for the current outage (rebuild on reconnect)."""
         self._status = SourceStatus(source.replica, source.model, source.endpoint)
 
     # ------------------------------------------------------------------ status
@@ -234,7 +250,16 @@ class SourceRunner:
             self._on_status(self._status)
 
     def set_connected(self, connected: bool) -> None:
-        """Record the transport's state (from the socket monitor)."""
+        """Record the transport's state (from the socket monitor): a loss starts the
+        disconnect grace period; a reconnection after the entries were cleared for it
+        schedules a rebuild (clear + replay from 0) for the next message or tick."""
+        if connected:
+            self._down_since = None
+            if self._down_cleared:
+                self._down_cleared = False
+                self._resync_reason = "reconnect"
+        elif self._down_since is None:
+            self._down_since = self._clock()
         if connected != self._status.connected:
             self._set(connected=connected)
 
@@ -250,7 +275,20 @@ class SourceRunner:
         await self._rebuild("start")
 
     async def tick(self) -> None:
-        """Housekeeping while idle: retry a pending recovery."""
+        """Housekeeping while idle: clear a source disconnected for longer than the
+        grace period, retry a pending recovery."""
+        down = self._down_since
+        if (
+            down is not None
+            and not self._down_cleared
+            and self._clock() - down >= self._s.disconnect_grace_s
+        ):
+            now = self._clock()
+            if self._dirty and now - self._last_recover_try < self._s.recover_interval_s:
+                return
+            self._last_recover_try = now
+            await self._disconnected()
+            return
         await self._maybe_recover()
 
     async def on_live(self, seq: int, payload: bytes) -> None:
@@ -373,6 +411,18 @@ class SourceRunner:
                 self._obs.resync(self.source.replica, reason)
         self._set(**changes)
         return True
+
+    async def _disconnected(self) -> None:
+        """The engine is gone: drop its entries and its sequence (``tick``)."""
+        log.info("%s: disconnected for %.1f s or more: clearing its entries",
+                 self.source.replica, self._s.disconnect_grace_s)  # fmt: skip
+        if not await self._clear("disconnected"):
+            return  # degraded: retried every ``recover_interval_s`` by ``tick``
+        self._down_cleared = True
+        self._resync_reason = None
+        self.last_seq = None
+        self._live_last = None
+        self._set(state="disconnected", last_seq=None)
 
     async def _rebuild(self, reason: str) -> None:
         self._set(state="resyncing")
@@ -526,6 +576,7 @@ class ConnectSubscriber:
                     mon_task.cancel()
         finally:
             sub.close(linger=0)
+            self.runner.set_connected(False)  # the monitor may not report it any more
 
 
 class BindSubscriber:
@@ -553,6 +604,7 @@ class BindSubscriber:
         self._on_status = on_status
         self.runners: dict[bytes, SourceRunner] = {}
         self._pending: list[SourceRunner] = []
+        self._has_peers = False
         for topic, src in sources.items():
             self.add_source(topic, src)
         self.unmapped = 0
@@ -568,6 +620,7 @@ class BindSubscriber:
             source, self._index, self._ctx, settings=self._s, observer=self._obs,
             on_status=self._on_status,
         )  # fmt: skip
+        runner.set_connected(self._has_peers)
         self.runners[topic.encode()] = runner
         self._pending.append(runner)
 
@@ -576,6 +629,7 @@ class BindSubscriber:
         return {r.source.replica: r.status for r in self.runners.values()}
 
     def _connected(self, value: bool) -> None:
+        self._has_peers = value
         for r in self.runners.values():
             r.set_connected(value)
 
@@ -634,3 +688,4 @@ class BindSubscriber:
         finally:
             self.ready.clear()
             sub.close(linger=0)
+            self._connected(False)
