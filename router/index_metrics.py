@@ -6,7 +6,10 @@
   ``KVEventIngestion``: events applied by type, blocks, gaps, drops, resyncs.
 * ``IndexMetrics.watch_sources(statuses)`` exports each source's ``SourceStatus`` at
   scrape time (receive lag, last sequence, connected), and ``set_blocks`` the per-replica
-  block counts (``refresh_block_gauges`` reads them from any backend).
+  block counts (``refresh_block_gauges`` reads them from any backend;
+  ``keep_block_gauges`` does so periodically until cancelled, skipping a down backend).
+* ``FanOutObserver(*observers)`` hands every ingestion callback to each observer in turn
+  (``KVEventIngestion`` takes one observer: the router adds these metrics to its own).
 
 Series (labels are replica ids from the configuration, or small enums):
 
@@ -28,9 +31,10 @@ Series (labels are replica ids from the configuration, or small enums):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -40,7 +44,16 @@ from index.status import SourceStatus
 from index.store import IndexOp, IndexUnavailable, KVIndex
 from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
-__all__ = ["IndexMetrics", "InstrumentedIndex", "refresh_block_gauges"]
+if TYPE_CHECKING:
+    from index.subscriber import IngestObserver
+
+__all__ = [
+    "FanOutObserver",
+    "IndexMetrics",
+    "InstrumentedIndex",
+    "keep_block_gauges",
+    "refresh_block_gauges",
+]
 
 T = TypeVar("T")
 
@@ -71,6 +84,29 @@ class _Observer:
 
     def resync(self, replica: ReplicaId, reason: str) -> None:
         self._m.resyncs.labels(replica, reason).inc()
+
+
+class FanOutObserver:
+    """An ``IngestObserver`` that forwards every call to ``observers``, in order."""
+
+    def __init__(self, *observers: IngestObserver) -> None:
+        self._observers = observers
+
+    def batch_applied(self, replica: ReplicaId, result: BatchResult) -> None:
+        for obs in self._observers:
+            obs.batch_applied(replica, result)
+
+    def gap(self, replica: ReplicaId) -> None:
+        for obs in self._observers:
+            obs.gap(replica)
+
+    def dropped(self, replica: ReplicaId, reason: str, count: int = 1) -> None:
+        for obs in self._observers:
+            obs.dropped(replica, reason, count)
+
+    def resync(self, replica: ReplicaId, reason: str) -> None:
+        for obs in self._observers:
+            obs.resync(replica, reason)
 
 
 class _SourceCollector:
@@ -291,3 +327,20 @@ async def refresh_block_gauges(
         if hasattr(value, "__await__"):
             value = await value
         metrics.set_blocks(rid, int(value))
+
+
+async def keep_block_gauges(
+    index: KVIndex,
+    metrics: IndexMetrics,
+    replicas: Callable[[], Collection[ReplicaId]],
+    *,
+    interval_s: float = 5.0,
+) -> None:
+    """``refresh_block_gauges`` every ``interval_s`` until cancelled (the caller owns the
+    task).  A refresh that finds the backend down is counted (``op="read"``) and skipped."""
+    while True:
+        try:
+            await refresh_block_gauges(index, metrics, replicas())
+        except IndexUnavailable:
+            metrics.unavailable.labels("read").inc()
+        await asyncio.sleep(interval_s)

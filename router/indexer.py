@@ -30,9 +30,16 @@ if TYPE_CHECKING:
     from index.ingestion import KVEventIngestion, SourceSpec
     from index.store import KVIndex
     from router.config import IndexSettings, RouterSettings
-    from router.index_metrics import IndexMetrics
+    from router.index_metrics import IndexMetrics, InstrumentedIndex
 
-__all__ = ["make_index", "register", "run_indexer", "source_specs", "start_ingestion"]
+__all__ = [
+    "instrumented_index",
+    "make_index",
+    "register",
+    "run_indexer",
+    "source_specs",
+    "start_ingestion",
+]
 
 
 def make_index(settings: IndexSettings) -> KVIndex:
@@ -45,6 +52,13 @@ def make_index(settings: IndexSettings) -> KVIndex:
             settings.url, key_prefix=settings.key_prefix, op_timeout_s=settings.op_timeout_s
         )
     return InMemoryIndex()
+
+
+def instrumented_index(settings: IndexSettings, metrics: IndexMetrics) -> InstrumentedIndex:
+    """The configured backend wrapped so it records ``metrics`` (``backend`` label)."""
+    from router.index_metrics import InstrumentedIndex
+
+    return InstrumentedIndex(make_index(settings), metrics, backend=settings.backend)
 
 
 def source_specs(settings: RouterSettings) -> list[SourceSpec]:
@@ -120,12 +134,11 @@ async def run_indexer(settings: RouterSettings, *, metrics_port: int = 0,
     from aiohttp import web
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from router.index_metrics import IndexMetrics, InstrumentedIndex, refresh_block_gauges
+    from router.index_metrics import IndexMetrics, keep_block_gauges
 
     registry = CollectorRegistry()
     metrics = IndexMetrics(registry)
-    index = InstrumentedIndex(make_index(settings.index), metrics,
-                              backend=settings.index.backend)  # fmt: skip
+    index = instrumented_index(settings.index, metrics)
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     if main is not None:
@@ -151,9 +164,7 @@ async def run_indexer(settings: RouterSettings, *, metrics_port: int = 0,
                 runner = web.AppRunner(app, access_log=None)
                 await runner.setup()
                 await web.TCPSite(runner, "127.0.0.1", metrics_port).start()
-            while True:
-                await asyncio.sleep(5.0)
-                await refresh_block_gauges(index, metrics, list(ingestion.sources))
+            await keep_block_gauges(index, metrics, lambda: list(ingestion.sources))
     finally:
         if runner is not None:
             await runner.cleanup()

@@ -5,12 +5,16 @@ Registered through ``router.plugins`` (no proxy change):
 * service ``kv`` (``start_kv``): builds, in order, the renderers (``index`` registry of
   ``scoring.models``, with a replica ``/tokenize`` fallback; with ``auto_models`` a model
   not listed is rendered by the replicas with the block size they report), the KV index
-  (``memory`` or ``redis`` per ``settings.index``), the KV-event ingestion for every
-  replica (its ``kv_events_endpoint``, else discovered at ``/kv_event_sources`` when
-  ``discover_kv_events``; one owned task whose ``BlockStored`` counts also feed the
-  eviction-horizon estimator), and the ``/metrics`` scraper (one owned task; its samples
-  feed the load terms and the horizon).  It yields a ``KvServices``; teardown cancels and
-  awaits those tasks, then closes the index.
+  (``memory`` or ``redis`` per ``settings.index``, wrapped in ``InstrumentedIndex``), the
+  KV-event ingestion for every replica (its ``kv_events_endpoint``, else discovered at
+  ``/kv_event_sources`` when ``discover_kv_events``; one owned task whose ``BlockStored``
+  counts also feed the eviction-horizon estimator), and the ``/metrics`` scraper (one
+  owned task; its samples feed the load terms and the horizon).  The ``router_index_*``
+  and ``router_kv_events_*`` series (``router.index_metrics``) go on the app's registry
+  (``ctx.metrics.registry``): lookups and writes are timed, ingestion is observed, the
+  sources' statuses are read at scrape time and the per-replica block counts are
+  refreshed by one more owned task.  It yields a ``KvServices``; teardown cancels and
+  awaits those tasks, closes the index, then unregisters those series.
 * policy ``kv`` (``kv_factory``) and policy ``session`` (``session_factory``).
 
 ``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
@@ -30,7 +34,6 @@ from typing import Any
 
 from index.ingest import BatchResult
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
-from index.memory import InMemoryIndex
 from index.prompt import Prompt
 from index.redis_store import RedisIndex
 from index.remote_render import RemoteRenderer
@@ -39,8 +42,10 @@ from index.renderer_registry import ModelSpec, RendererRegistry
 from index.status import SourceStatus
 from index.store import KVIndex
 from index.types import ReplicaId
-from router.config import RouterSettings, ScoringSettings
+from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
+from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
+from router.indexer import instrumented_index
 from router.kv_policy import KvConfig, KvPolicy
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
@@ -159,13 +164,6 @@ def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
     ]
 
 
-def _index(settings: RouterSettings) -> KVIndex:
-    ix = settings.index
-    if ix.backend == "redis":
-        return RedisIndex.from_url(ix.url, op_timeout_s=ix.op_timeout_s, key_prefix=ix.key_prefix)
-    return InMemoryIndex()
-
-
 def _sources(ctx: PolicyContext) -> list[SourceSpec]:
     settings = ctx.settings
     default_model = settings.scoring.models[0].name if settings.scoring.models else None
@@ -195,7 +193,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
     registry = RendererRegistry(_model_specs(s), remote=remote)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
-    index = _index(ctx.settings)
+    index_metrics = IndexMetrics(ctx.metrics.registry)
+    index = instrumented_index(ctx.settings.index, index_metrics)
     ingestion: KVEventIngestion | None = None
     scraper: MetricsScraper | None = None
 
@@ -215,22 +214,29 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                               block_size_hint=block_size_hint if s.auto_models else None)
     tasks: list[asyncio.Task[Any]] = []
     try:
+        replicas = ctx.replicas
+        tasks.append(ctx.tasks.spawn(
+            keep_block_gauges(index, index_metrics,
+                              lambda: [ReplicaId(st.id) for st in replicas.all()]),
+            name="kv-index-gauges",
+        ))  # fmt: skip
         specs = _sources(ctx)
         if specs:
             lease = None
-            if isinstance(index, RedisIndex):
+            if isinstance(index.inner, RedisIndex):
                 # Routers sharing a Redis index: one ingests each source (lease), every
                 # router reads the sources' statuses from Redis.
-                lease = LeaseSettings(client=index.client,
+                lease = LeaseSettings(client=index.inner.client,
                                       key_prefix=getattr(ctx.settings.index, "key_prefix",
                                                          "kvroute:"))
+            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer())
             ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
-                                         observer=_HorizonObserver(horizon, ctx))
+                                         observer=observer)
+            index_metrics.watch_sources(ingestion.statuses)
             tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
             if ctx.settings.policy == "kv":
                 await _await_live(ingestion, specs, s.startup_sync_s)
         if s.scrape.enabled:
-            replicas = ctx.replicas
             scraper = MetricsScraper(
                 ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
                 clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
@@ -245,7 +251,10 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await index.aclose()
+        try:
+            await index.aclose()
+        finally:
+            index_metrics.close()
 
 
 async def _await_live(

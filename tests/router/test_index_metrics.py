@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Collection, Sequence
 
@@ -13,7 +14,13 @@ from index.memory import InMemoryIndex
 from index.status import SourceStatus
 from index.store import IndexUnavailable, KVIndex
 from index.types import EngineKey, PrefixHits, ReplicaId, RequestKey
-from router.index_metrics import IndexMetrics, InstrumentedIndex, refresh_block_gauges
+from router.index_metrics import (
+    FanOutObserver,
+    IndexMetrics,
+    InstrumentedIndex,
+    keep_block_gauges,
+    refresh_block_gauges,
+)
 
 R = ReplicaId("r1")
 
@@ -72,3 +79,48 @@ def test_observer_and_source_gauges() -> None:
     assert value(reg, "router_kv_events_last_seq", replica="r1") == 7
     assert value(reg, "router_kv_events_receive_lag_seconds", replica="r1") == 0.25
     assert value(reg, "router_kv_events_connected", replica="r1") == 1
+
+
+def test_fan_out_observer_feeds_every_observer() -> None:
+    regs = [CollectorRegistry(), CollectorRegistry()]
+    ms = [IndexMetrics(r) for r in regs]
+    obs = FanOutObserver(*(m.observer() for m in ms))
+    obs.batch_applied(R, BatchResult(Counter({"BlockStored": 1}), 3, 0, Counter()))
+    obs.gap(R)
+    obs.dropped(R, "undecodable", 2)
+    obs.resync(R, "restart")
+    for reg in regs:
+        assert value(reg, "router_kv_events_blocks_total", replica="r1", op="stored") == 3
+        assert value(reg, "router_kv_events_gaps_total", replica="r1") == 1
+        assert value(reg, "router_kv_events_dropped_total", replica="r1",
+                     reason="undecodable") == 2  # fmt: skip
+        assert value(reg, "router_kv_events_resyncs_total", replica="r1", reason="restart") == 1
+
+
+class DownBlocksIndex(InMemoryIndex):
+    """Fault injection: the block count fails as an unreachable Redis would."""
+
+    def blocks(self, replica: ReplicaId) -> int:
+        raise IndexUnavailable("down")
+
+
+async def test_keep_block_gauges_refreshes_and_survives_a_down_backend() -> None:
+    reg = CollectorRegistry()
+    m = IndexMetrics(reg)
+    idx = InstrumentedIndex(InMemoryIndex(), m)
+    await idx.add(R, [EngineKey(1), EngineKey(2)], [RequestKey(11), RequestKey(12)])
+    task = asyncio.create_task(keep_block_gauges(idx, m, lambda: [R], interval_s=0.01))
+    down = asyncio.create_task(
+        keep_block_gauges(DownBlocksIndex(), m, lambda: [R], interval_s=0.01)
+    )
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if value(reg, "router_index_unavailable_total", op="read") >= 2:
+            break
+    assert value(reg, "router_index_blocks", replica="r1") == 2
+    assert value(reg, "router_index_unavailable_total", op="read") >= 2
+    assert not down.done()
+    for t in (task, down):
+        t.cancel()
+    await asyncio.gather(task, down, return_exceptions=True)
+    m.close()
