@@ -467,6 +467,22 @@ def format_table(reports: Sequence[SessionReport], block_size: int) -> str:
     return "\n".join(lines)
 
 
+def _chat_body(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The chat request fields that decide a rendering, as vLLM's ``/tokenize`` takes them."""
+    body: dict[str, Any] = {"messages": [dict(m) for m in messages],
+                            "add_generation_prompt": add_generation_prompt}
+    if tools is not None:
+        body["tools"] = [dict(t) for t in tools]
+    if chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(chat_template_kwargs)
+    return body
+
+
 class LocalChatTokenizer:
     """``ChatTokenizer`` over the shared ``index`` renderer: a model directory rendered
     and tokenised exactly as vLLM does (chat template, special-token rule)."""
@@ -486,12 +502,7 @@ class LocalChatTokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        body: dict[str, Any] = {"messages": [dict(m) for m in messages],
-                                "add_generation_prompt": add_generation_prompt}
-        if tools is not None:
-            body["tools"] = [dict(t) for t in tools]
-        if chat_template_kwargs:
-            body["chat_template_kwargs"] = dict(chat_template_kwargs)
+        body = _chat_body(messages, tools, add_generation_prompt, chat_template_kwargs)
         return list(self._renderer.tokenize_chat(body).token_ids)
 
     def encode_text(self, text: str) -> list[int]:
@@ -532,12 +543,7 @@ class HttpChatTokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        body: dict[str, Any] = {"messages": [dict(m) for m in messages],
-                                "add_generation_prompt": add_generation_prompt}
-        if tools is not None:
-            body["tools"] = [dict(t) for t in tools]
-        if chat_template_kwargs:
-            body["chat_template_kwargs"] = dict(chat_template_kwargs)
+        body = _chat_body(messages, tools, add_generation_prompt, chat_template_kwargs)
         return [int(t) for t in self._post("/tokenize", body)["tokens"]]
 
     def encode_text(self, text: str) -> list[int]:
