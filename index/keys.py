@@ -67,18 +67,31 @@ def block_keys(
     n_blocks = len(tokens) // block_size
     if n_blocks == 0:
         return []
-    prev = root_key(model) if parent is None else parent
+    prev: int = root_key(model) if parent is None else parent
     lora = _LORA_TAG + lora_name.encode() if lora_name else b""
     salt = _SALT_TAG + cache_salt.encode() if cache_salt else b""
-    packed = _le_u32(tokens[: n_blocks * block_size])
     width = 4 * block_size
-    keys: list[RequestKey] = []
-    for i in range(n_blocks):
-        chunk = packed[i * width : (i + 1) * width]
-        extra = lora + salt if (first_block_index + i == 0) else lora
-        prev = RequestKey(_hash(prev.to_bytes(8, "little") + chunk + extra))
-        keys.append(prev)
-    return keys
+    packed = memoryview(_le_u32(tokens[: n_blocks * block_size]))
+    h = _hash
+    # Written for speed (ingestion hashes every stored block): no per-block branches,
+    # slices of one buffer, the ints appended as they are (a RequestKey is an int).
+    keys: list[int] = []
+    append = keys.append
+    start = 0
+    if first_block_index == 0 and salt:
+        prev = h(prev.to_bytes(8, "little") + packed[:width] + lora + salt)
+        append(prev)
+        start = width
+    end = n_blocks * width
+    if lora:
+        for s in range(start, end, width):
+            prev = h(prev.to_bytes(8, "little") + packed[s : s + width] + lora)
+            append(prev)
+    else:
+        for s in range(start, end, width):
+            prev = h(prev.to_bytes(8, "little") + packed[s : s + width])
+            append(prev)
+    return keys  # type: ignore[return-value]
 
 
 def _le_u32(tokens: Sequence[int]) -> bytes:
