@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from index.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     ClearedEvent,
+    KVEventBatch,
     RemovedEvent,
     StoredEvent,
     UndecodableBatch,
+    _decode_tolerant,
+    _fast,
+    _FastStored,
     decode_batch,
+    encode_batch,
     normalise_hash,
 )
 from index.types import EngineKey, Medium
@@ -85,3 +95,62 @@ def test_medium_none_means_gpu_and_missing_rank_is_none() -> None:
 def test_poison_pills_raise_undecodable(payload: bytes) -> None:
     with pytest.raises(UndecodableBatch):
         decode_batch(payload)
+
+
+# The fast (typed) decoder and the tolerant one must agree wherever the fast one accepts.
+_hash = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1),
+                  st.binary(min_size=1, max_size=32))  # fmt: skip
+_medium = st.one_of(st.none(), st.sampled_from(["GPU", "cpu", "STORAGE", "CXL"]), st.integers(0, 9))
+_stored_map = st.fixed_dictionaries(
+    {"type": st.just("BlockStored"), "block_hashes": st.lists(_hash, max_size=4)},
+    optional={
+        "parent_block_hash": st.one_of(st.none(), _hash),
+        "token_ids": st.lists(st.integers(0, 2**20), max_size=8),
+        "block_size": st.integers(0, 4),
+        "lora_id": st.one_of(st.none(), st.integers(0, 3)),
+        "medium": _medium,
+        "lora_name": st.one_of(st.none(), st.text(max_size=3)),
+        "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.text(max_size=2), max_size=2)), max_size=2)),  # noqa: E501
+        "group_idx": st.one_of(st.none(), st.integers(0, 2)),
+        "kv_cache_spec_kind": st.one_of(st.none(), st.sampled_from(["full_attention", "x"])),
+        "something_new": st.integers(-(2**63), 2**64 - 1),
+    },
+)
+_removed_map = st.fixed_dictionaries(
+    {"type": st.just("BlockRemoved"), "block_hashes": st.lists(_hash, max_size=4)},
+    optional={"medium": _medium, "group_idx": st.one_of(st.none(), st.integers(0, 2))},
+)
+_event = st.one_of(
+    _stored_map, _removed_map, st.just({"type": "AllBlocksCleared"}),
+    st.just({"type": "BlocksPinned", "block_hashes": [1]}),
+    st.tuples(st.just("BlockRemoved"), st.lists(_hash, max_size=3)).map(list),
+)  # fmt: skip
+_batch = st.tuples(
+    st.one_of(st.floats(allow_nan=False), st.integers(0, 2**40)),
+    st.lists(_event, max_size=5),
+    st.one_of(st.none(), st.integers(0, 4)),
+).map(list)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_batch)
+def test_fast_and_tolerant_decoders_agree(batch: list[object]) -> None:
+    payload = enc(batch)
+    try:
+        want = _decode_tolerant(payload)
+    except UndecodableBatch:
+        with pytest.raises(UndecodableBatch):
+            decode_batch(payload)
+        return
+    assert decode_batch(payload) == want
+
+
+def test_the_fast_decoder_takes_vllm_s_default_batches() -> None:
+    # The shape vLLM 0.32 publishes by default must not fall back (it is the hot path).
+    payload = encode_batch(KVEventBatch(1.5, [
+        BlockStored([2**64 - 1, 7], None, [1, 2, 3, 4], 2, None, "GPU", None),
+        BlockRemoved([7], "GPU"), AllBlocksCleared(),
+    ], 0))  # fmt: skip
+    first = _fast.decode(payload).events[0]
+    assert isinstance(first, _FastStored) and first.block_hashes == [2**64 - 1, 7]
+    assert decode_batch(payload) == _decode_tolerant(payload)
