@@ -3,17 +3,19 @@
 Layout (chosen for lookup speed and memory, see ``bench/index_bench.py``):
 
 * Each replica gets a bit position ``b`` on first sight (kept for the index's lifetime).
-* ``_masks[request_key]`` is one int holding three bitmasks over replicas:
-  ``gpu | cpu << S | storage << 2S`` where ``S`` (the stride) grows, with a repack, when
-  replicas outnumber it.  A lookup walks the prompt's keys once, AND-ing an "active"
-  replica mask with each key's any-tier mask, so its cost is one dict probe and a few int
-  operations per key, independent of the number of replicas.  Tiers are counted per
-  replica only where some active replica lacks a GPU copy (rare).
+* ``_masks[request_key]`` is the key's holder mask (``index.masks``): replicas holding
+  it in any tier, those whose fastest copy is in CPU memory, and those holding it only
+  in storage, ``held | cpu_first << S | storage_first << 2S``, where ``S`` (the stride)
+  grows, with a repack, when replicas outnumber it.  A lookup is one dict probe per key
+  (``map`` over the keys, in C) and ``index.masks.scan_masks``, independent of the number
+  of replicas; tiers are counted per replica only where some replica's fastest copy is
+  off GPU.
 * Per replica, ``_Replica.engine[engine_key]`` packs the request key and that engine
   key's reference counts per tier (``request_key | gpu << 64 | cpu << 84 | storage <<
   104``), and ``_Replica.request[request_key]`` packs the per-tier reference counts of the
   request key (several engine keys can map to one request key, e.g. vLLM 0.33's lookahead
-  hashing).  A tier bit is set while its request-level count is positive.
+  hashing).  The replica's bits in the holder mask follow those counts: held while any
+  is positive, off-GPU-first while the GPU count is zero.
 * Reference counts make ``add`` and ``evict`` exact under vLLM's duplicate stores
   (``BlockHashToBlockMap`` holds one hash several times).  Counts saturate at 2**20 - 1.
 * An engine key stays mapped while any tier of it is referenced, so token-less offload
@@ -83,11 +85,19 @@ class InMemoryIndex:
             )
         self._stride = stride
 
-    def _set_bit(self, key: RequestKey, bit: int, tier: int) -> None:
-        self._masks[key] = self._masks.get(key, 0) | 1 << (bit + tier * self._stride)
-
-    def _clear_bit(self, key: RequestKey, bit: int, tier: int) -> None:
-        v = self._masks.get(key, 0) & ~(1 << (bit + tier * self._stride))
+    def _sync(self, key: RequestKey, bit: int, counts: int) -> None:
+        """Set replica ``bit``'s part of ``key``'s holder mask from its per-tier counts."""
+        s = self._stride
+        one = 1 << bit
+        if counts & _CNT_MAX:
+            want = one
+        elif (counts >> _CNT_BITS) & _CNT_MAX:
+            want = one | one << s
+        elif counts >> 2 * _CNT_BITS:
+            want = one | one << 2 * s
+        else:
+            want = 0
+        v = (self._masks.get(key, 0) & ~(one | one << s | one << 2 * s)) | want
         if v:
             self._masks[key] = v
         else:
@@ -108,9 +118,9 @@ class InMemoryIndex:
         r.engine[ek] = e + (1 << eshift)
         rshift = _R_SHIFT[tier]
         q = r.request.get(rk, 0)
-        if (q >> rshift) & _CNT_MAX == 0:
-            self._set_bit(rk, r.bit, tier)
         r.request[rk] = q + (1 << rshift)
+        if (q >> rshift) & _CNT_MAX == 0:
+            self._sync(rk, r.bit, q + (1 << rshift))
 
     def _unref(self, r: _Replica, rk: RequestKey, tier: int, n: int) -> None:
         rshift = _R_SHIFT[tier]
@@ -118,12 +128,12 @@ class InMemoryIndex:
         cnt = (q >> rshift) & _CNT_MAX
         n = min(n, cnt)
         q -= n << rshift
-        if n and n == cnt:
-            self._clear_bit(rk, r.bit, tier)
         if q:
             r.request[rk] = q
         else:
             r.request.pop(rk, None)
+        if n and n == cnt:
+            self._sync(rk, r.bit, q)
 
     def _drop_engine(self, r: _Replica, ek: EngineKey, e: int) -> None:
         rk = RequestKey(e & _U64)
@@ -158,11 +168,7 @@ class InMemoryIndex:
                 r = self._replicas.get(rid)
                 if r is not None:
                     allowed |= 1 << r.bit
-        v = masks.get(keys[0], 0)
-        active = (v | v >> s | v >> 2 * s) & lim & allowed
-        if not active:
-            return PrefixHits()
-        return scan_masks(list(map(masks.get, keys, repeat(0, len(keys)))), active, s, self._ids)
+        return scan_masks(map(masks.get, keys, repeat(0, len(keys))), allowed, s, self._ids)
 
     async def add(
         self,
@@ -190,7 +196,10 @@ class InMemoryIndex:
         tier = _TIER[medium]
         eshift, rshift = _E_SHIFT[tier], _R_SHIFT[tier]
         one_e, one_r = 1 << eshift, 1 << rshift
-        bit = 1 << (r.bit + tier * self._stride)
+        s = self._stride
+        bit = 1 << r.bit
+        lim = (1 << s) - 1
+        off_bits = bit << s | bit << 2 * s
         eng, req, masks = r.engine, r.request, self._masks
         # ``_ref`` inlined for the common cases (ingest speed); the rare ones call it.
         for ek, rk in zip(engine_keys, request_keys, strict=True):
@@ -203,9 +212,13 @@ class InMemoryIndex:
                 self._ref(r, ek, rk, tier)
                 continue
             q = req.get(rk, 0)
-            if not (q >> rshift) & _CNT_MAX:
-                masks[rk] = masks.get(rk, 0) | bit
             req[rk] = q + one_r
+            if not (q >> rshift) & _CNT_MAX:
+                if tier:
+                    self._sync(rk, r.bit, q + one_r)
+                else:  # now on GPU here: held, and no longer off-GPU-first
+                    m = masks.get(rk, 0)
+                    masks[rk] = (m & ~off_bits if m > lim else m) | bit
 
     async def add_by_engine_key(
         self, replica: ReplicaId, engine_keys: Sequence[EngineKey], medium: Medium

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.keys import block_keys
-from index.masks import scan_masks
+from index.masks import holder_mask, scan_masks, scan_runs
 from index.memory import InMemoryIndex
 from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
 
@@ -73,8 +73,14 @@ def reference(values: list[int], allowed: int, stride: int, n_ids: int) -> dict[
 def test_scan_masks_matches_a_reference(case: tuple[int, list[int], int, bool]) -> None:
     n_ids, raw, allowed, gpu_only = case
     stride = 8
-    values = [v & 0xFF if gpu_only else v for v in raw]
+    # ``raw`` holds per-tier bitmasks (gpu | cpu << 8 | storage << 16); the scan takes
+    # holder masks.
+    tiers = [v & 0xFF if gpu_only else v for v in raw]
+    values = [holder_mask(v & 0xFF, v >> 8 & 0xFF, v >> 16, stride) for v in tiers]
     ids = [ReplicaId(f"r{b}") for b in range(n_ids)]
     got = scan_masks(values, allowed, stride, ids).by_replica
-    want = {ids[b]: hit for b, hit in reference(values, allowed, stride, n_ids).items()}
+    want = {ids[b]: hit for b, hit in reference(tiers, allowed, stride, n_ids).items()}
     assert got == want
+    # Runs need not be maximal (a lazy input gives the same answer as a list).
+    assert scan_runs([(1, v) for v in values], allowed, stride, ids).by_replica == want
+    assert scan_masks(iter(values), allowed, stride, ids).by_replica == want
