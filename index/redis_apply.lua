@@ -1,10 +1,12 @@
--- kvroute RedisIndex: apply one event batch's operations for one replica, atomically.
--- ARGV: ns, replica, stride, ttl_s, then ops: code, tier, n, items...
---   'a' (add): n pairs engine_key, request_key
---   'k' (add by engine key): n engine keys
---   'e' (evict): n engine keys
---   'c' (clear): n = 0
--- Keys are decimal strings; they are never converted to Lua numbers (doubles).
+-- kvroute RedisIndex (layout 2): apply one event batch's operations for one replica,
+-- atomically.
+-- ARGV: ns, replica, stride, ttl_s, then ops, each: code, tier, n, payload...
+--   'a' (add): two payload args, n engine keys then n request keys
+--   'k' (add by engine key): one payload arg, n engine keys
+--   'e' (evict): one payload arg, n engine keys
+--   'c' (clear): n = 0, no payload
+-- A payload is its keys as 16 hex digits each, concatenated: keys are never converted to
+-- Lua numbers (doubles), and one argument per op keeps the client's encoding cheap.
 -- Returns the replica's bit position.
 local ns, replica = ARGV[1], ARGV[2]
 local stride = tonumber(ARGV[3])
@@ -21,9 +23,33 @@ else
   redis.call('HSET', ns .. ':rname', rid, replica)
 end
 local ekey = ns .. ':e:' .. replica
-local ckey = ns .. ':c:' .. replica
 local rkey = ns .. ':r:' .. replica
 local mpre = ns .. ':m:'
+local FRESH = {' 1 0 0', ' 0 1 0', ' 0 0 1'}
+
+-- e:<replica> values: '<request key> <gpu> <cpu> <storage>' (reference counts).
+local function parse(v)
+  local rk, g, c, s = string.match(v, '^(%x+) (%d+) (%d+) (%d+)$')
+  return rk, {tonumber(g), tonumber(c), tonumber(s)}
+end
+
+local function store(ek, rk, cnt)
+  if cnt[1] + cnt[2] + cnt[3] == 0 then
+    redis.call('HDEL', ekey, ek)
+  else
+    redis.call('HSET', ekey, ek, rk .. ' ' .. cnt[1] .. ' ' .. cnt[2] .. ' ' .. cnt[3])
+  end
+end
+
+-- r:<replica> fields '<request key><tier>': how many engine keys hold it in that tier.
+-- The bitmap bit is set while the count is positive.
+local function ref(rk, tier)
+  if redis.call('HINCRBY', rkey, rk .. tier, 1) == 1 then
+    local mk = mpre .. rk
+    redis.call('SETBIT', mk, tier * stride + rid, 1)
+    if ttl > 0 then redis.call('EXPIRE', mk, ttl) end
+  end
+end
 
 local function clear_bit(rk, tier)
   local mk = mpre .. rk
@@ -32,41 +58,57 @@ local function clear_bit(rk, tier)
 end
 
 local function unref(rk, tier, n)
-  local f = rk .. ':' .. tier
-  local q = redis.call('HINCRBY', rkey, f, -n)
-  if q <= 0 then
+  local f = rk .. tier
+  if redis.call('HINCRBY', rkey, f, -n) <= 0 then
     redis.call('HDEL', rkey, f)
     clear_bit(rk, tier)
   end
 end
 
-local function ref(ek, rk, tier)
-  redis.call('HINCRBY', ckey, ek .. ':' .. tier, 1)
-  redis.call('HINCRBY', rkey, rk .. ':' .. tier, 1)
-  local mk = mpre .. rk
-  redis.call('SETBIT', mk, tier * stride + rid, 1)
-  if ttl > 0 then redis.call('EXPIRE', mk, ttl) end
+local function add(ek, rk, tier)
+  if redis.call('HSETNX', ekey, ek, rk .. FRESH[tier + 1]) == 0 then
+    local old, cnt = parse(redis.call('HGET', ekey, ek))
+    if old ~= rk then
+      -- The engine reused a hash for other content (a collision, or a restart nobody
+      -- told us about): forget the old mapping entirely.
+      for t = 0, 2 do
+        if cnt[t + 1] > 0 then unref(old, t, cnt[t + 1]) end
+      end
+      cnt = {0, 0, 0}
+    end
+    cnt[tier + 1] = cnt[tier + 1] + 1
+    store(ek, rk, cnt)
+  end
+  ref(rk, tier)
 end
 
-local function drop_engine(ek, rk)
-  for t = 0, 2 do
-    local f = ek .. ':' .. t
-    local c = redis.call('HGET', ckey, f)
-    if c then
-      redis.call('HDEL', ckey, f)
-      unref(rk, t, tonumber(c))
+local function add_known(ek, tier)
+  local v = redis.call('HGET', ekey, ek)
+  if v then
+    local rk, cnt = parse(v)
+    cnt[tier + 1] = cnt[tier + 1] + 1
+    store(ek, rk, cnt)
+    ref(rk, tier)
+  end
+end
+
+local function evict(ek, tier)
+  local v = redis.call('HGET', ekey, ek)
+  if v then
+    local rk, cnt = parse(v)
+    if cnt[tier + 1] > 0 then
+      cnt[tier + 1] = cnt[tier + 1] - 1
+      store(ek, rk, cnt)
+      unref(rk, tier, 1)
     end
   end
-  redis.call('HDEL', ekey, ek)
 end
 
 local function clear()
-  local fields = redis.call('HKEYS', rkey)
-  for _, f in ipairs(fields) do
-    local sep = string.find(f, ':', 1, true)
-    clear_bit(string.sub(f, 1, sep - 1), tonumber(string.sub(f, sep + 1)))
+  for _, f in ipairs(redis.call('HKEYS', rkey)) do
+    clear_bit(string.sub(f, 1, 16), tonumber(string.sub(f, 17)))
   end
-  redis.call('DEL', ekey, ckey, rkey)
+  redis.call('DEL', ekey, rkey)
 end
 
 local i = 5
@@ -75,45 +117,20 @@ while i <= nargs do
   local op, tier, n = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
   if op == 'a' then
+    local eks, rks = ARGV[i], ARGV[i + 1]
     for j = 0, n - 1 do
-      local ek, rk = ARGV[i + 2 * j], ARGV[i + 2 * j + 1]
-      local old = redis.call('HGET', ekey, ek)
-      if old and old ~= rk then
-        drop_engine(ek, old)
-        old = false
-      end
-      if not old then redis.call('HSET', ekey, ek, rk) end
-      ref(ek, rk, tier)
+      local p = 16 * j + 1
+      add(string.sub(eks, p, p + 15), string.sub(rks, p, p + 15), tier)
     end
-    i = i + 2 * n
-  elseif op == 'k' then
+    i = i + 2
+  elseif op == 'k' or op == 'e' then
+    local eks = ARGV[i]
+    local f = (op == 'k') and add_known or evict
     for j = 0, n - 1 do
-      local ek = ARGV[i + j]
-      local rk = redis.call('HGET', ekey, ek)
-      if rk then ref(ek, rk, tier) end
+      local p = 16 * j + 1
+      f(string.sub(eks, p, p + 15), tier)
     end
-    i = i + n
-  elseif op == 'e' then
-    for j = 0, n - 1 do
-      local ek = ARGV[i + j]
-      local f = ek .. ':' .. tier
-      local c = tonumber(redis.call('HGET', ckey, f) or '0')
-      if c > 0 then
-        local rk = redis.call('HGET', ekey, ek)
-        if c == 1 then
-          redis.call('HDEL', ckey, f)
-          if redis.call('HEXISTS', ckey, ek .. ':0') == 0
-            and redis.call('HEXISTS', ckey, ek .. ':1') == 0
-            and redis.call('HEXISTS', ckey, ek .. ':2') == 0 then
-            redis.call('HDEL', ekey, ek)
-          end
-        else
-          redis.call('HINCRBY', ckey, f, -1)
-        end
-        if rk then unref(rk, tier, 1) end
-      end
-    end
-    i = i + n
+    i = i + 1
   elseif op == 'c' then
     clear()
   else
@@ -122,7 +139,6 @@ while i <= nargs do
 end
 if ttl > 0 then
   redis.call('EXPIRE', ekey, ttl)
-  redis.call('EXPIRE', ckey, ttl)
   redis.call('EXPIRE', rkey, ttl)
 end
 return rid

@@ -1,19 +1,22 @@
 """``RedisIndex``: a ``KVIndex`` in Redis (6.2+), shared by several routers.
 
-Key layout (``ns`` is the configured prefix without its trailing colon; keys are
-decimal strings of the 64-bit ints):
+Key layout 2 (``ns`` is the configured prefix without its trailing colon; a block key,
+written ``<key>`` below, is its 64-bit value as 16 lowercase hex digits, most significant
+first, so ``redis-cli`` shows and takes them as they are):
 
 =============================  ======  ==================================================
 key                            type    content
 =============================  ======  ==================================================
-``ns:meta``                    hash    ``next_rid`` (replica bit allocator), ``stride``
+``ns:meta``                    hash    ``next_rid`` (replica bit allocator), ``stride``,
+                                       ``layout`` (``2``)
 ``ns:rid`` / ``ns:rname``      hash    replica id <-> bit position (kept for good)
 ``ns:m:<request key>``         string  tier bitmap: bit ``tier * stride + rid`` (SETBIT
                                        order) set while the replica holds the block in that
                                        tier (0 GPU, 1 CPU, 2 STORAGE); deleted when empty
-``ns:e:<replica>``             hash    engine key -> request key
-``ns:c:<replica>``             hash    ``<engine key>:<tier>`` -> reference count
-``ns:r:<replica>``             hash    ``<request key>:<tier>`` -> reference count
+``ns:e:<replica>``             hash    ``<engine key>`` -> ``"<request key> <gpu> <cpu>
+                                       <storage>"`` (the engine key's reference counts)
+``ns:r:<replica>``             hash    ``<request key><tier>`` -> reference count (how many
+                                       engine keys hold the request key in that tier)
 ``ns:lease:<replica>``         string  ingestion lease (``index.lease``)
 ``ns:status:<replica>``        string  JSON ``SourceStatus`` published by the lease owner
 =============================  ======  ==================================================
@@ -21,19 +24,21 @@ key                            type    content
 Contracts:
 
 * **One round trip per lookup**: a Lua script (``redis_lookup.lua``) returns the bitmaps
-  of the prompt's keys up to the first key nobody holds, as one length-prefixed string
-  (the keys go in as one argument: the pure-Python client then encodes and parses two
-  values, not 800); the prefix scan runs here (``index.masks.scan_masks``).  Replica
-  names are cached locally and refreshed when an unknown bit appears (a new replica: one
-  extra round trip, once).
+  of the prompt's keys up to the first key nobody holds, run-length encoded (holders
+  change only where some replica's prefix ends), as one string; the keys go in as one
+  argument.  The pure-Python client thus encodes and parses a few values, not 800, and
+  the prefix scan runs here (``index.masks.scan_runs``).  Replica names are cached
+  locally and refreshed when an unknown bit appears (a new replica: one extra round
+  trip, once).
 * **Atomic updates**: ``apply`` sends one event batch's operations as one Lua script call
-  (``redis_apply.lua``); readers see a batch entirely or not at all.
+  (``redis_apply.lua``), each operation's keys as one argument; readers see a batch
+  entirely or not at all.
 * **Bounded memory**: every key written carries a TTL (``ttl_s``, default one day): a
-  block's bitmap is refreshed whenever any replica stores it, a replica's hashes whenever
-  its events are applied.  So the state of a replica nobody ingests any more, or of a
-  block nobody stores any more, disappears on its own; the engines' own evictions
-  (``BlockRemoved``) bound it in steady state.  Run Redis with ``maxmemory`` and
-  ``maxmemory-policy volatile-lru`` as the hard bound: evicting a bitmap only loses hits
+  block's bitmap is refreshed whenever a replica newly holds it in a tier, a replica's
+  hashes whenever its events are applied.  So the state of a replica nobody ingests any
+  more, or of a block nobody stores any more, disappears on its own; the engines' own
+  evictions (``BlockRemoved``) bound it in steady state.  Run Redis with ``maxmemory``
+  and ``maxmemory-policy volatile-lru`` as the hard bound: evicting a bitmap only loses hits
   (safe); evicting a replica's hashes lets its later removals go unapplied until the
   bitmaps' TTL, so size ``maxmemory`` with headroom (``bench/index_bench.py`` prints the
   bytes per block).
@@ -49,7 +54,9 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from importlib import resources
 from typing import Final, TypeVar
@@ -60,7 +67,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from index._tasks import reraise_if_cancelling
-from index.masks import scan_masks
+from index.masks import holder_mask, scan_runs
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp, IndexUnavailable
 from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
@@ -72,6 +79,15 @@ _TIER: Final[dict[Medium, int]] = {Medium.GPU: 0, Medium.CPU: 1, Medium.STORAGE:
 # Redis numbers bits most-significant first within a byte; reversing every byte makes
 # int.from_bytes(..., "little") put Redis bit p at int bit p.
 _REVERSE: Final = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+_LAYOUT: Final = "2"
+
+
+def _hex(keys: Sequence[int]) -> str:
+    """64-bit keys as 16 hex digits each, most significant first, concatenated."""
+    packed = array("Q", keys)
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes().hex()
 
 
 def _script(name: str) -> str:
@@ -148,16 +164,28 @@ class RedisIndex:
             return
         meta = f"{self.ns}:meta"
 
-        async def check() -> bytes | str | None:
-            await self._r.hsetnx(meta, "stride", self._stride)
-            value: bytes | str | None = await self._r.hget(meta, "stride")
-            return value
+        async def check() -> list[bytes | str | None]:
+            found: list[bytes | str | None] = await self._r.hmget(
+                meta, ["stride", "layout", "next_rid"]
+            )
+            if found == [None, None, None]:  # a new namespace
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.hsetnx(meta, "stride", self._stride)
+                    pipe.hsetnx(meta, "layout", _LAYOUT)
+                    pipe.hmget(meta, ["stride", "layout", "next_rid"])
+                    found = (await pipe.execute())[-1]
+            return found
 
-        stride = await self._call(check, self._write_timeout)
+        stride, layout, _ = await self._call(check, self._write_timeout)
         if stride is not None and int(stride) != self._stride:
             raise ValueError(
                 f"namespace {self.ns!r} was created with max_replicas={int(stride)}, "
                 f"not {self._stride}"
+            )
+        if layout is None or int(layout) != int(_LAYOUT):
+            raise ValueError(
+                f"namespace {self.ns!r} holds another kvroute key layout ({layout!r}; this "
+                f"version writes layout {_LAYOUT}): use a new key_prefix or delete the namespace"
             )
         self._meta_checked = True
 
@@ -187,23 +215,26 @@ class RedisIndex:
         if not keys:
             return PrefixHits()
         pre = f"{self.ns}:m:"
-        arg = " ".join(map(str, keys))
+        arg = _hex(keys)
         blob: bytes = await self._call(
             lambda: self._lookup(keys=[], args=[pre, arg]), self._op_timeout
         )
         if not blob:
             return PrefixHits()
+        s, lim = self._stride, self._lim
         rev = _REVERSE
-        values: list[int] = []
+        runs: list[tuple[int, int]] = []
+        seen = 0
         pos, end = 0, len(blob)
         while pos < end:
-            n = blob[pos]
-            values.append(int.from_bytes(blob[pos + 1 : pos + 1 + n].translate(rev), "little"))
-            pos += 1 + n
-        seen = 0
-        for v in values:
-            seen |= v
-        seen = (seen | seen >> self._stride | seen >> 2 * self._stride) & self._lim
+            count = int.from_bytes(blob[pos : pos + 3], "big")
+            n = blob[pos + 3]
+            tiers = int.from_bytes(blob[pos + 4 : pos + 4 + n].translate(rev), "little")
+            mask = holder_mask(tiers & lim, tiers >> s & lim, tiers >> 2 * s, s)
+            seen |= mask
+            runs.append((count, mask))
+            pos += 4 + n
+        seen &= lim
         if seen >> len(self._names) or (
             among is not None
             and any(r not in self._bits for r in among)
@@ -218,7 +249,7 @@ class RedisIndex:
                 bit = self._bits.get(rid)
                 if bit is not None:
                     allowed |= 1 << bit
-        return scan_masks(values, allowed, self._stride, self._names)
+        return scan_runs(runs, allowed, self._stride, self._names)
 
     async def request_key(self, replica: ReplicaId, engine_key: EngineKey) -> RequestKey | None:
         """The request key ``replica`` stored under ``engine_key``, if any."""
@@ -231,10 +262,12 @@ class RedisIndex:
         if not engine_keys:
             return []
         ekey = self.key("e", replica)
+        h = _hex(engine_keys)
+        fields = [h[i : i + 16] for i in range(0, len(h), 16)]
         raw: list[bytes | str | None] = await self._call(
-            lambda: self._r.hmget(ekey, [str(k) for k in engine_keys]), self._write_timeout
+            lambda: self._r.hmget(ekey, fields), self._write_timeout
         )
-        return [None if v is None else RequestKey(int(v)) for v in raw]
+        return [None if v is None else RequestKey(int(v[:16], 16)) for v in raw]
 
     async def replicas(self) -> set[ReplicaId]:
         """Replicas that hold at least one block."""
@@ -272,15 +305,12 @@ class RedisIndex:
             if isinstance(op, AddOp):
                 if len(op.engine_keys) != len(op.request_keys):
                     raise ValueError("engine_keys and request_keys differ in length")
-                args += ("a", _TIER[op.medium], len(op.engine_keys))
-                for ek, rk in zip(op.engine_keys, op.request_keys, strict=True):
-                    args += (str(ek), str(rk))
+                args += ("a", _TIER[op.medium], len(op.engine_keys),
+                         _hex(op.engine_keys), _hex(op.request_keys))  # fmt: skip
             elif isinstance(op, AddByEngineKeyOp):
-                args += ("k", _TIER[op.medium], len(op.engine_keys))
-                args += [str(ek) for ek in op.engine_keys]
+                args += ("k", _TIER[op.medium], len(op.engine_keys), _hex(op.engine_keys))
             elif isinstance(op, EvictOp):
-                args += ("e", _TIER[op.medium], len(op.engine_keys))
-                args += [str(ek) for ek in op.engine_keys]
+                args += ("e", _TIER[op.medium], len(op.engine_keys), _hex(op.engine_keys))
             elif isinstance(op, ClearOp):
                 args += ("c", 0, 0)
         await self._call(lambda: self._apply(args=args), self._write_timeout)

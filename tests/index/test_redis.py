@@ -59,34 +59,54 @@ def sync_redis(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
+def hexkey(k: int) -> str:
+    return f"{k:016x}"
+
+
 async def test_key_layout_and_ttls(rindex: RedisIndex, sync_redis: redis.Redis) -> None:
     ns = rindex.ns
     keys = chain(2)
+    k0, k1 = hexkey(keys[0]), hexkey(keys[1])
+    e0, e1 = (hexkey(e) for e in ek(keys))
     await rindex.add(A, ek(keys), keys)
     await rindex.add(B, ek(keys[:1]), keys[:1], Medium.CPU)
     found = {k.decode() for k in sync_redis.scan_iter(match=f"{ns}:*")}
     assert found == {
-        f"{ns}:meta", f"{ns}:rid", f"{ns}:rname",
-        f"{ns}:m:{keys[0]}", f"{ns}:m:{keys[1]}",
-        f"{ns}:e:a", f"{ns}:c:a", f"{ns}:r:a", f"{ns}:e:b", f"{ns}:c:b", f"{ns}:r:b",
+        f"{ns}:meta", f"{ns}:rid", f"{ns}:rname", f"{ns}:m:{k0}", f"{ns}:m:{k1}",
+        f"{ns}:e:a", f"{ns}:r:a", f"{ns}:e:b", f"{ns}:r:b",
     }  # fmt: skip
-    assert sync_redis.hget(f"{ns}:meta", "stride") == b"256"
+    assert sync_redis.hmget(f"{ns}:meta", ["stride", "layout"]) == [b"256", b"2"]
     assert sync_redis.hgetall(f"{ns}:rid") == {b"a": b"0", b"b": b"1"}
     # Bit tier * stride + rid: A on GPU at bit 0, B on CPU at bit 256 + 1.
-    assert sync_redis.getbit(f"{ns}:m:{keys[0]}", 0) == 1
-    assert sync_redis.getbit(f"{ns}:m:{keys[0]}", 257) == 1
-    assert sync_redis.bitcount(f"{ns}:m:{keys[0]}") == 2
-    assert sync_redis.hget(f"{ns}:e:a", str(ek(keys)[1])) == str(keys[1]).encode()
-    assert sync_redis.hget(f"{ns}:c:a", f"{ek(keys)[1]}:0") == b"1"
-    assert sync_redis.hget(f"{ns}:r:b", f"{keys[0]}:1") == b"1"
-    for key in (f"{ns}:m:{keys[0]}", f"{ns}:e:a", f"{ns}:c:b", f"{ns}:r:a"):
+    assert sync_redis.getbit(f"{ns}:m:{k0}", 0) == 1
+    assert sync_redis.getbit(f"{ns}:m:{k0}", 257) == 1
+    assert sync_redis.bitcount(f"{ns}:m:{k0}") == 2
+    # Engine key -> "request key, reference counts per tier"; request key + tier -> count.
+    assert sync_redis.hget(f"{ns}:e:a", e1) == f"{k1} 1 0 0".encode()
+    assert sync_redis.hget(f"{ns}:e:b", e0) == f"{k0} 0 1 0".encode()
+    assert sync_redis.hget(f"{ns}:r:b", f"{k0}1") == b"1"
+    for key in (f"{ns}:m:{k0}", f"{ns}:e:a", f"{ns}:e:b", f"{ns}:r:a"):
         assert 0 < sync_redis.ttl(key) <= 600
     # Everything removed: the per-block keys go away, the per-replica hashes empty out.
     await rindex.evict(A, ek(keys))
     await rindex.evict(B, ek(keys[:1]), Medium.CPU)
-    assert not sync_redis.exists(f"{ns}:m:{keys[0]}", f"{ns}:m:{keys[1]}")
+    assert not sync_redis.exists(f"{ns}:m:{k0}", f"{ns}:m:{k1}")
     assert sync_redis.hlen(f"{ns}:e:a") == 0 and sync_redis.hlen(f"{ns}:r:b") == 0
     assert await rindex.blocks(A) == 0
+
+
+async def test_a_namespace_of_another_layout_is_refused(
+    redis_url: str, redis_namespace: str, sync_redis: redis.Redis
+) -> None:
+    # A namespace written by kvroute's first layout (decimal keys) has no layout field.
+    sync_redis.hset(f"{redis_namespace}:meta", mapping={"stride": "256", "next_rid": "1"})
+    idx = RedisIndex.from_url(redis_url, key_prefix=redis_namespace)
+    try:
+        keys = chain(1)
+        with pytest.raises(ValueError, match="layout"):
+            await idx.add(A, ek(keys), keys)
+    finally:
+        await idx.aclose()
 
 
 async def test_lookup_is_one_round_trip(rindex: RedisIndex, sync_redis: redis.Redis) -> None:
