@@ -12,6 +12,13 @@ Rules (vLLM 0.32 semantics, ``shared/docs/vllm-interfaces.md`` section 1):
   stored earlier in the same batch).  When the parent is ``None`` the chain starts at the
   model's root and the ``cache_salt`` from block 0's ``extra_keys`` is folded in.  The
   LoRA name (``lora_name``) goes into every key.
+* **Parents** are resolved from the blocks stored earlier in the same batch, then from
+  the ingestor's own record of what it applied in earlier batches (``parent_cache``
+  engine keys, oldest dropped first; a key leaves it when any of its tiers is removed
+  and everything leaves on a clear, so it never names a block the index has dropped
+  through this ingestor), then from the index in one ``request_keys`` call.  A
+  conversation's next turn continues from blocks stored moments ago, so a remote index
+  is asked for parents rarely rather than once per batch.
 * **Unknown parent**: the event is dropped and counted, never chained to a wrong parent
   (llm-d skips it the same way).  Its blocks then stay unknown, and so do their
   children, which is safe: the index under-predicts.  After ``resync_after`` consecutive
@@ -38,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Final
 
 from index.events import ClearedEvent, DecodedBatch, RemovedEvent, StoredEvent
@@ -50,6 +58,11 @@ __all__ = ["BatchResult", "EventIngestor", "salt_and_usable_blocks"]
 log = logging.getLogger(__name__)
 
 _INDEXED_KINDS: Final = frozenset({None, "full_attention", "mla_attention"})
+
+DEFAULT_PARENT_CACHE: Final = 65_536
+"""Engine keys an ingestor remembers to resolve parents locally: about a GPU pool's worth
+of blocks per source (a few MB), which covers every parent of a replica whose cache has
+not turned over."""
 
 
 @dataclass(slots=True)
@@ -106,18 +119,22 @@ class EventIngestor:
         model: str,
         *,
         resync_after: int = 3,
+        parent_cache: int = DEFAULT_PARENT_CACHE,
     ) -> None:
         self.index = index
         self.replica = replica
         self.model = model
         self._resync_after = resync_after
         self._unknown_streak = 0
+        self._parent_cap = parent_cache
+        self._parents: dict[EngineKey, RequestKey] = {}
         self.last_block_size: int | None = None
         """The block size of the last ``BlockStored`` with tokens (the replica's)."""
 
     def reset(self) -> None:
         """Forget per-source history (after the replica was cleared)."""
         self._unknown_streak = 0
+        self._parents.clear()
 
     async def apply(self, batch: DecodedBatch) -> BatchResult:
         """Apply one batch; raises ``IndexUnavailable`` if the index cannot be written
@@ -138,9 +155,17 @@ class EventIngestor:
                 produced.clear()
         known: dict[EngineKey, RequestKey | None] = {}
         if wanted:
-            unique = list(dict.fromkeys(wanted))
-            found = await self.index.request_keys(self.replica, unique)
-            known = dict(zip(unique, found, strict=True))
+            cache = self._parents
+            missing: list[EngineKey] = []
+            for p in dict.fromkeys(wanted):
+                rk = cache.get(p)
+                if rk is None:
+                    missing.append(p)
+                else:
+                    known[p] = rk
+            if missing:
+                found = await self.index.request_keys(self.replica, missing)
+                known.update(zip(missing, found, strict=True))
 
         ops: list[IndexOp] = []
         overlay: dict[EngineKey, RequestKey] = {}
@@ -163,9 +188,28 @@ class EventIngestor:
                 result.applied["AllBlocksCleared"] += 1
         if ops:
             await self.index.apply(self.replica, ops)
+            self._remember(ops)
         if result.cleared:
             self._unknown_streak = 0
         return result
+
+    def _remember(self, ops: list[IndexOp]) -> None:
+        """Record what the index now maps (after ``ops`` were applied), for parents."""
+        if not self._parent_cap:
+            return
+        cache = self._parents
+        for op in ops:
+            if isinstance(op, AddOp):
+                cache.update(zip(op.engine_keys, op.request_keys, strict=True))
+            elif isinstance(op, EvictOp):
+                for ek in op.engine_keys:
+                    cache.pop(ek, None)
+            elif isinstance(op, ClearOp):
+                cache.clear()
+        excess = len(cache) - self._parent_cap
+        if excess > 0:
+            for ek in list(islice(cache, excess)):
+                del cache[ek]
 
     def _stored(
         self,

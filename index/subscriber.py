@@ -63,7 +63,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from index._tasks import reraise_if_cancelling
 from index.events import UndecodableBatch, decode_batch
-from index.ingest import BatchResult, EventIngestor
+from index.ingest import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.status import SourceState, SourceStatus
 from index.store import IndexUnavailable, KVIndex
 from index.types import ReplicaId
@@ -117,6 +117,9 @@ class SubscriberSettings:
     disconnect_grace_s: float = 2.0
     """How long a source's connection may stay lost before its entries are cleared."""
     resync_after_unknown_parents: int = 3
+    parent_cache_blocks: int = DEFAULT_PARENT_CACHE
+    """Engine keys each source's ingestor remembers to resolve parents without asking
+    the index (``index.ingest``); 0 asks the index for every batch's parents."""
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0
@@ -224,6 +227,7 @@ class SourceRunner:
             source.replica,
             source.model,
             resync_after=settings.resync_after_unknown_parents,
+            parent_cache=settings.parent_cache_blocks,
         )
         self.last_seq: int | None = None
         self._live_last: int | None = None

@@ -233,3 +233,78 @@ async def test_concurrent_add_and_lookup(index: KVIndex) -> None:
     final = await index.lookup(keys)
     assert final.by_replica == {r: ReplicaHit(40) for r in replicas}
     assert await index.replicas() == set(replicas)
+
+
+class _Model:
+    """The contract in a few lines, for random comparison: per replica, engine key ->
+    (request key, reference count per tier)."""
+
+    def __init__(self) -> None:
+        self.engine: dict[ReplicaId, dict[EngineKey, tuple[RequestKey, list[int]]]] = {}
+
+    def add(self, r: ReplicaId, ek: EngineKey, rk: RequestKey, tier: int) -> None:
+        held = self.engine.setdefault(r, {})
+        entry = held.get(ek)
+        if entry is None or entry[0] != rk:
+            entry = held[ek] = (rk, [0, 0, 0])
+        entry[1][tier] += 1
+
+    def add_known(self, r: ReplicaId, ek: EngineKey, tier: int) -> None:
+        entry = self.engine.get(r, {}).get(ek)
+        if entry is not None:
+            entry[1][tier] += 1
+
+    def evict(self, r: ReplicaId, ek: EngineKey, tier: int) -> None:
+        held = self.engine.get(r, {})
+        entry = held.get(ek)
+        if entry is not None and entry[1][tier] > 0:
+            entry[1][tier] -= 1
+            if not any(entry[1]):
+                del held[ek]
+
+    def lookup(self, keys: list[RequestKey]) -> dict[ReplicaId, ReplicaHit]:
+        out: dict[ReplicaId, ReplicaHit] = {}
+        for r, held in self.engine.items():
+            per_tier = [0, 0, 0]
+            for key in keys:
+                tiers = [any(rk == key and c[t] for rk, c in held.values()) for t in range(3)]
+                if not any(tiers):
+                    break
+                per_tier[tiers.index(True)] += 1
+            if any(per_tier):
+                out[r] = ReplicaHit(*per_tier)
+        return out
+
+
+async def test_random_operations_match_the_model(index: KVIndex) -> None:
+    import random
+
+    tiers = [Medium.GPU, Medium.CPU, Medium.STORAGE]
+    keys = chain(5)
+    for case in range(120):
+        rng = random.Random(case)
+        model = _Model()
+        replicas = [A, B, C]
+        for _ in range(rng.randrange(1, 25)):
+            r, t = rng.choice(replicas), rng.randrange(3)
+            eks = [EngineKey(rng.randrange(8)) for _ in range(rng.randrange(1, 4))]
+            kind = rng.random()
+            if kind < 0.5:
+                rks = [rng.choice(keys[: rng.randrange(1, 6)]) for _ in eks]
+                await index.apply(r, [AddOp(eks, rks, tiers[t])])
+                for ek_, rk in zip(eks, rks, strict=True):
+                    model.add(r, ek_, rk, t)
+            elif kind < 0.65:
+                await index.apply(r, [AddByEngineKeyOp(eks, tiers[t])])
+                for ek_ in eks:
+                    model.add_known(r, ek_, t)
+            elif kind < 0.95:
+                await index.apply(r, [EvictOp(eks, tiers[t])])
+                for ek_ in eks:
+                    model.evict(r, ek_, t)
+            else:
+                await index.apply(r, [ClearOp()])
+                model.engine.pop(r, None)
+            assert (await index.lookup(keys)).by_replica == model.lookup(keys), case
+        for r in replicas:
+            await index.clear(r)

@@ -21,7 +21,7 @@ from index.ingest import EventIngestor, salt_and_usable_blocks
 from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
-from index.store import KVIndex
+from index.store import IndexUnavailable, KVIndex
 from index.types import PrefixHits, ReplicaHit, ReplicaId
 
 R = ReplicaId("r1")
@@ -56,12 +56,16 @@ async def feed(ing: EventIngestor, events: list[KVEvent], *, legacy: bool = Fals
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-async def test_salt_and_lora_events_match_prompt_keys(index: KVIndex, legacy: bool) -> None:
-    ing = EventIngestor(index, R, MODEL)
+@pytest.mark.parametrize("parent_cache", [0, 1024])
+async def test_salt_and_lora_events_match_prompt_keys(
+    index: KVIndex, legacy: bool, parent_cache: int
+) -> None:
+    ing = EventIngestor(index, R, MODEL, parent_cache=parent_cache)
     h = hashes(0, 10)
     extra: list[tuple[Any, ...] | None] = [("ad", "tenant"), ("ad",), ("ad",), ("ad",), ("ad",)]
     first = BlockStored(h[:5], None, PROMPT[:20], BS, 7, "GPU", "ad", extra_keys=extra)
-    # The continuation arrives in a later batch: its parent resolves through the index.
+    # The continuation arrives in a later batch: its parent resolves through the index
+    # (or the ingestor's record of what it applied).
     rest = BlockStored(h[5:], h[4], PROMPT[20:], BS, 7, "GPU", "ad", extra_keys=[("ad",)] * 5)
     await feed(ing, [first], legacy=legacy)
     await feed(ing, [rest], legacy=legacy)
@@ -171,3 +175,65 @@ def test_salt_and_usable_blocks() -> None:
     assert salt_and_usable_blocks([[["mm", 0]]], 2, None) == (None, 0)
     assert salt_and_usable_blocks([["s", b"digest"]], 1, None) == ("s", 0)
     assert salt_and_usable_blocks([None, ["late-string"]], 2, None) == (None, 1)
+
+
+class CountingIndex(InMemoryIndex):
+    """An in-memory index that counts parent lookups and can refuse writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[list[int]] = []
+        self.refuse = False
+
+    async def request_keys(self, replica: ReplicaId, engine_keys: Any) -> Any:
+        self.asked.append(list(engine_keys))
+        return await super().request_keys(replica, engine_keys)
+
+    async def apply(self, replica: ReplicaId, ops: Any) -> None:
+        if self.refuse:
+            raise IndexUnavailable("refused")
+        await super().apply(replica, ops)
+
+
+async def test_parents_resolve_from_what_the_ingestor_applied() -> None:
+    idx = CountingIndex()
+    ing = EventIngestor(idx, R, MODEL, parent_cache=1024)
+    h = hashes(0, 10)
+    await feed(ing, [BlockStored(h[:5], None, PROMPT[:20], BS, None, "GPU", None)])
+    await feed(ing, [BlockStored(h[5:8], h[4], PROMPT[20:32], BS, None, "GPU", None)])
+    assert idx.asked == []  # the parent was stored by an earlier batch: no lookup
+    want = block_keys(PROMPT, BS, model=MODEL)
+    assert (await idx.lookup(want)).by_replica == {R: ReplicaHit(8)}
+    # A removal (of any tier) forgets the key: the index is asked, and says unknown.
+    await feed(ing, [BlockRemoved(h[7:8], "GPU")])
+    result_rest = await ing.apply(decode_batch(encode_batch(KVEventBatch(
+        1.0, [BlockStored(h[8:], h[7], PROMPT[32:], BS, None, "GPU", None)], 0))))  # fmt: skip
+    assert idx.asked == [[h[7]]] and result_rest.dropped["unknown_parent"] == 1
+    # A clear forgets everything, and so does reset().
+    await feed(ing, [AllBlocksCleared()])
+    await feed(ing, [BlockStored(h[5:6], h[4], PROMPT[20:24], BS, None, "GPU", None)])
+    assert idx.asked[-1] == [h[4]]
+    await feed(ing, [BlockStored(h[:5], None, PROMPT[:20], BS, None, "GPU", None)])
+    ing.reset()
+    await feed(ing, [BlockStored(h[5:6], h[4], PROMPT[20:24], BS, None, "GPU", None)])
+    assert idx.asked[-1] == [h[4]] and len(idx.asked) == 3
+
+
+async def test_parent_cache_is_bounded_and_follows_successful_writes() -> None:
+    idx = CountingIndex()
+    ing = EventIngestor(idx, R, MODEL, parent_cache=3)
+    h = hashes(0, 10)
+    await feed(ing, [BlockStored(h[:5], None, PROMPT[:20], BS, None, "GPU", None)])
+    # Only the 3 most recent engine keys are kept: h[1]'s child asks the index.
+    await feed(ing, [BlockStored(h[5:6], h[4], PROMPT[20:24], BS, None, "GPU", None)])
+    assert idx.asked == []
+    await feed(ing, [BlockStored(hashes(0, 1, salt=5), h[1], PROMPT[8:12], BS, None, "GPU",
+                                 None)])  # fmt: skip
+    assert idx.asked == [[h[1]]]
+    # A batch the index refused is not remembered.
+    idx.refuse = True
+    with pytest.raises(IndexUnavailable):
+        await feed(ing, [BlockStored(h[6:7], h[5], PROMPT[24:28], BS, None, "GPU", None)])
+    idx.refuse = False
+    await feed(ing, [BlockStored(h[7:8], h[6], PROMPT[28:32], BS, None, "GPU", None)])
+    assert idx.asked[-1] == [h[6]]
