@@ -17,9 +17,10 @@ run-length encoded (``(count, mask)`` pairs, as the Redis store receives them). 
 chained, so a replica's hit stops at its first miss, and the holders of consecutive keys
 change only where some replica's cached prefix ends or changes tier.  So the scan visits
 only the runs of equal masks, which ``itertools.groupby`` finds in C, and the Python work
-is per run: the replicas that drop out there end their hit, and the run's off-GPU
-holders count its length in their slower tier.  A prompt fully cached on GPU by every
-holder is one run, and the scan stops reading at the run where the last hit ends.
+is per run: the replicas that drop out there end their hit, and the run's length is
+added to its pattern of off-GPU holders (split per replica once, at the end).  A prompt
+fully cached on GPU by every holder is one run, and the scan stops reading at the run
+where the last hit ends.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def scan_runs(
     lim = (1 << stride) - 1
     active = allowed & lim
     hits: dict[int, int] = {}  # bit -> leading blocks held
-    off: dict[int, list[int]] = {}  # bit -> [CPU-first, storage-first] blocks among them
+    # Off-GPU blocks, summed per pattern: (CPU-first | storage-first << S) among the
+    # replicas still in their run -> blocks; split per replica once, at the end.
+    slow: dict[int, int] = {}
     pos = 0
     for count, mask in runs:
         still = active & mask
@@ -73,21 +76,24 @@ def scan_runs(
             if not active:
                 break
         if mask > lim:
-            high = mask >> stride
-            for tier, slow in ((0, high & active), (1, high >> stride & active)):
-                while slow:
-                    low = slow & -slow
-                    b = low.bit_length() - 1
-                    counts = off.get(b)
-                    if counts is None:
-                        counts = off[b] = [0, 0]
-                    counts[tier] += count
-                    slow ^= low
+            pattern = mask >> stride & (active | active << stride)
+            slow[pattern] = slow.get(pattern, 0) + count
         pos += count
     while active:
         low = active & -active
         hits[low.bit_length() - 1] = pos
         active ^= low
+    off: dict[int, list[int]] = {}  # bit -> [CPU-first, storage-first] blocks of its run
+    for pattern, count in slow.items():
+        for tier, bits in ((0, pattern & lim), (1, pattern >> stride)):
+            while bits:
+                low = bits & -bits
+                b = low.bit_length() - 1
+                counts = off.get(b)
+                if counts is None:
+                    counts = off[b] = [0, 0]
+                counts[tier] += count
+                bits ^= low
     out: dict[ReplicaId, ReplicaHit] = {}
     n_ids = len(ids)
     for b, held in hits.items():
