@@ -26,6 +26,8 @@ local ekey = ns .. ':e:' .. replica
 local rkey = ns .. ':r:' .. replica
 local mpre = ns .. ':m:'
 local FRESH = {' 1 0 0', ' 0 1 0', ' 0 0 1'}
+local TIER = {'0', '1', '2'}
+local call = redis.call
 
 -- e:<replica> values: '<request key> <gpu> <cpu> <storage>' (reference counts).
 local function parse(v)
@@ -44,10 +46,10 @@ end
 -- r:<replica> fields '<request key><tier>': how many engine keys hold it in that tier.
 -- The bitmap bit is set while the count is positive.
 local function ref(rk, tier)
-  if redis.call('HINCRBY', rkey, rk .. tier, 1) == 1 then
+  if call('HINCRBY', rkey, rk .. TIER[tier + 1], 1) == 1 then
     local mk = mpre .. rk
-    redis.call('SETBIT', mk, tier * stride + rid, 1)
-    if ttl > 0 then redis.call('EXPIRE', mk, ttl) end
+    call('SETBIT', mk, tier * stride + rid, 1)
+    if ttl > 0 then call('EXPIRE', mk, ttl) end
   end
 end
 
@@ -58,7 +60,7 @@ local function clear_bit(rk, tier)
 end
 
 local function unref(rk, tier, n)
-  local f = rk .. tier
+  local f = rk .. TIER[tier + 1]
   if redis.call('HINCRBY', rkey, f, -n) <= 0 then
     redis.call('HDEL', rkey, f)
     clear_bit(rk, tier)
@@ -66,7 +68,7 @@ local function unref(rk, tier, n)
 end
 
 local function add(ek, rk, tier)
-  if redis.call('HSETNX', ekey, ek, rk .. FRESH[tier + 1]) == 0 then
+  if call('HSETNX', ekey, ek, rk .. FRESH[tier + 1]) == 0 then
     local old, cnt = parse(redis.call('HGET', ekey, ek))
     if old ~= rk then
       -- The engine reused a hash for other content (a collision, or a restart nobody
@@ -118,17 +120,17 @@ while i <= nargs do
   i = i + 3
   if op == 'a' then
     local eks, rks = ARGV[i], ARGV[i + 1]
-    for j = 0, n - 1 do
-      local p = 16 * j + 1
-      add(string.sub(eks, p, p + 15), string.sub(rks, p, p + 15), tier)
+    local sub = string.sub
+    for p = 1, 16 * n, 16 do
+      add(sub(eks, p, p + 15), sub(rks, p, p + 15), tier)
     end
     i = i + 2
   elseif op == 'k' or op == 'e' then
     local eks = ARGV[i]
     local f = (op == 'k') and add_known or evict
-    for j = 0, n - 1 do
-      local p = 16 * j + 1
-      f(string.sub(eks, p, p + 15), tier)
+    local sub = string.sub
+    for p = 1, 16 * n, 16 do
+      f(sub(eks, p, p + 15), tier)
     end
     i = i + 1
   elseif op == 'c' then
