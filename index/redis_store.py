@@ -159,6 +159,12 @@ class RedisIndex:
             reraise_if_cancelling()
             raise IndexUnavailable(f"redis: {exc}") from exc
 
+    async def check_namespace(self) -> None:
+        """Create the namespace's metadata, or check it matches this client: raises
+        ``ValueError`` for another ``max_replicas`` or key layout, ``IndexUnavailable``
+        if Redis cannot answer.  The first write also checks it."""
+        await self._check_meta()
+
     async def _check_meta(self) -> None:
         if self._meta_checked:
             return

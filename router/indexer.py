@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from router.index_metrics import IndexMetrics, InstrumentedIndex
 
 __all__ = [
+    "check_index",
     "instrumented_index",
     "make_index",
     "register",
@@ -52,6 +53,29 @@ def make_index(settings: IndexSettings) -> KVIndex:
             settings.url, key_prefix=settings.key_prefix, op_timeout_s=settings.op_timeout_s
         )
     return InMemoryIndex()
+
+
+async def check_index(index: KVIndex) -> None:
+    """Refuse to start on a Redis namespace this version cannot share (another
+    ``max_replicas`` or key layout): ``ConfigError`` naming it.  An unreachable Redis
+    does not stop start-up (the router degrades, and the first write checks again)."""
+    import logging
+
+    from index.redis_store import RedisIndex
+    from index.store import IndexUnavailable
+    from router.config import ConfigError
+
+    inner = getattr(index, "inner", index)
+    if not isinstance(inner, RedisIndex):
+        return
+    try:
+        await inner.check_namespace()
+    except IndexUnavailable as exc:
+        logging.getLogger(__name__).warning(
+            "redis index not reachable at start-up (%s); its namespace is checked on the "
+            "first write", exc)  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(f"invalid kvroute configuration:\n  index: {exc}") from exc
 
 
 def instrumented_index(settings: IndexSettings, metrics: IndexMetrics) -> InstrumentedIndex:
@@ -146,6 +170,7 @@ async def run_indexer(settings: RouterSettings, *, metrics_port: int = 0,
             loop.add_signal_handler(sig, main.cancel)
     runner: web.AppRunner | None = None
     try:
+        await check_index(index)
         async with start_ingestion(settings, index, metrics=metrics,
                                    lease_ttl_s=lease_ttl_s) as ingestion:  # fmt: skip
             if metrics_port:

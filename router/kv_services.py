@@ -45,7 +45,7 @@ from index.types import ReplicaId
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
-from router.indexer import instrumented_index
+from router.indexer import check_index, instrumented_index
 from router.kv_policy import KvConfig, KvPolicy
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
@@ -214,6 +214,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                               block_size_hint=block_size_hint if s.auto_models else None)
     tasks: list[asyncio.Task[Any]] = []
     try:
+        await check_index(index)
         replicas = ctx.replicas
         tasks.append(ctx.tasks.spawn(
             keep_block_gauges(index, index_metrics,

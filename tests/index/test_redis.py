@@ -19,6 +19,7 @@ from index.events import BlockRemoved, BlockStored
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
 from index.keys import block_keys
 from index.lease import RedisLease, run_with_lease
+from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
 from index.store import IndexUnavailable
 from index.subscriber import ConnectSubscriber, EventSource, SubscriberSettings
@@ -362,3 +363,28 @@ def _none() -> Any:
     from index.status import SourceStatus
 
     return SourceStatus(ReplicaId("none"), "m", None, state="stopped")
+
+
+async def test_start_up_refuses_a_namespace_it_cannot_share(
+    redis_url: str, redis_namespace: str, sync_redis: redis.Redis
+) -> None:
+    from router.config import ConfigError
+    from router.indexer import check_index
+
+    await check_index(InMemoryIndex())  # nothing to check
+    sync_redis.hset(f"{redis_namespace}:meta", mapping={"stride": "256", "next_rid": "3"})
+    idx = RedisIndex.from_url(redis_url, key_prefix=redis_namespace)
+    unreachable = RedisIndex.from_url("redis://127.0.0.1:1/0", key_prefix=redis_namespace)
+    fresh = RedisIndex.from_url(redis_url, key_prefix=f"{redis_namespace}-fresh")
+    try:
+        with pytest.raises(ConfigError, match="index: .*layout"):
+            await check_index(idx)
+        await check_index(unreachable)  # degraded, not refused: the first write checks
+        await check_index(fresh)
+        assert sync_redis.hgetall(f"{redis_namespace}-fresh:meta") == {
+            b"stride": b"256", b"layout": b"2"
+        }
+    finally:
+        for i in (idx, unreachable, fresh):
+            await i.aclose()
+        sync_redis.delete(f"{redis_namespace}-fresh:meta")
