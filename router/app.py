@@ -173,20 +173,21 @@ def create_app(
 
 
 class _RouterApp(Starlette):
-    """Starlette, with the two hot routes dispatched straight to the proxy.
+    """Starlette, with the two hot routes dispatched straight to ``Proxy.handle``.
 
     ``POST /v1/chat/completions`` and ``POST /v1/completions`` skip Starlette's
     middleware and router layers (each wraps ``send`` and costs a few percent of the
-    router's CPU per request); the proxy answers its own errors, so nothing is lost.
-    Everything else goes through Starlette as usual.
+    router's CPU per request) and the ``_ProxyRoute`` frame; the proxy answers its own
+    errors, so nothing is lost.  Everything else goes through Starlette as usual.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:  # type: ignore[override]
         if scope["type"] == "http" and scope["method"] == "POST":
-            route = _FAST_ROUTES.get(scope["path"])
-            if route is not None and "state" in scope:
+            endpoint = _FAST_ROUTES.get(scope["path"])
+            if endpoint is not None and "state" in scope:
                 scope["app"] = self
-                await route(scope, receive, send)
+                proxy: Proxy = scope["state"]["proxy"]
+                await proxy.handle(scope, receive, send, endpoint)
                 return
         await super().__call__(scope, receive, send)  # type: ignore[arg-type]
 
@@ -204,9 +205,9 @@ class _ProxyRoute:
         await proxy.handle(scope, receive, send, self.endpoint)
 
 
-_FAST_ROUTES = {
-    "/v1/chat/completions": _ProxyRoute("chat"),
-    "/v1/completions": _ProxyRoute("completions"),
+_FAST_ROUTES: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
 }
 
 

@@ -42,7 +42,8 @@ class _Counters:
 
 
 class Lease:
-    """One request's share of a replica's load; an async context manager.
+    """One request's share of a replica's load; a context manager, plain (``with``, what
+    the proxy uses: no coroutine per request) or async (``async with``).
 
     ``first_byte()`` moves the request from queued prefill to decoding (idempotent).
     """
@@ -55,12 +56,23 @@ class Lease:
         self._first = False
         self._open = False
 
-    async def __aenter__(self) -> Lease:
+    def __enter__(self) -> Lease:
         c = self._counters
         c.in_flight += 1
         c.queued_prefill_tokens += self._prompt_tokens
         self._open = True
         return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self.__enter__()
 
     def first_byte(self) -> None:
         """The replica produced its first byte: prefill is over."""
@@ -79,7 +91,7 @@ class Lease:
         self.release()
 
     def release(self) -> None:
-        """Return the counts (idempotent; ``__aexit__`` calls it)."""
+        """Return the counts (idempotent; ``__exit__`` and ``__aexit__`` call it)."""
         if not self._open:
             return
         self._open = False

@@ -8,7 +8,7 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    ``Retry-After`` if none of those is up); the policy (default, or the one named by the
    policy header) orders them into a ``Decision``.
 3. Attempts, at most ``failover.max_attempts``, over ``decision.replicas``: each attempt
-   owns ``async with lease(replica)`` and the upstream response in one block whose
+   owns ``with lease(replica)`` and the upstream response in one block whose
    ``finally`` releases both, whatever happens (disconnect, cancel, error).  A connect
    error, a timeout or a 5xx **before the first byte** moves on to the next candidate
    after a ``Backoff`` sleep; the last 5xx is passed through, the last connect error or
@@ -17,14 +17,18 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    before it can still fail over), then chunks are relayed as they arrive, never
    buffered.  After the first byte, an upstream failure ends the stream with a final
    ``data: {"error": ...}`` event.
-5. A watcher task (started once the request has run 50 ms) waits for
-   ``http.disconnect``; on a disconnect it cancels the handler, which closes the upstream
-   connection (vLLM aborts the request) well within a second.
+5. A watcher task (started once the request has run ``_WATCH_AFTER_S``, 250 ms) waits
+   for ``http.disconnect``; on a disconnect it cancels the handler, which closes the
+   upstream connection (vLLM aborts the request) well within a second.
 6. ``policy.record(request, decision, receipt)`` once, with the usage the replica
    reported (``router.usage``).
 
 Response headers added: ``x-request-id``, ``x-kvroute-replica``, ``x-kvroute-reason``,
 ``x-kvroute-predicted-cached-tokens`` (when the decision predicts).
+
+Cost: the hot path is three coroutines deep (``handle``, ``_attempts``, ``_attempt``) and
+allocates little beyond what uvicorn and aiohttp need; the JSON parse of the body is its
+largest own cost.  ``python -m bench.proxy_overhead`` measures it (router CPU per request).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -54,7 +59,7 @@ from router.errors import (
 from router.load import Lease, LoadTracker
 from router.metrics import Outcome, RouterMetrics
 from router.plugins import PolicyRegistry
-from router.policy import Decision, Endpoint, Policy, Receipt, RouteRequest
+from router.policy import Decision, Endpoint, Receipt, RouteRequest
 from router.replicas import ReplicaRegistry
 from router.request import ClientDisconnected, parse_body, read_body, scan_headers
 from router.usage import UsageTap, inject_include_usage, usage_of_body
@@ -68,9 +73,13 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _CLIENT_GONE = 499  # nginx's "client closed request", for metrics only
-# Delay before a request gets a disconnect watcher task; bounds how late a disconnect is
-# noticed (well under the 1 s contract) and spares quick requests a task each.
-_WATCH_AFTER_S = 0.05
+# Delay before a request gets a disconnect watcher task.  It bounds how late a disconnect
+# is noticed (this, plus one loop iteration: well under the 1 s contract) and spares
+# every shorter request the task, the receive() and the cancel (~10 us of CPU).  It must
+# stay well above the latency of a quick answer under load (tens of ms at 128 requests in
+# flight): at 50 ms, a loaded router crossed it, and every request then paid for a
+# watcher, which made it slower still.
+_WATCH_AFTER_S = 0.25
 # Upstream response headers not passed on: hop-by-hop ones, the length (the router frames
 # the body itself) and the request id (the router sets its own).
 _RESP_HOP = frozenset({
@@ -89,15 +98,16 @@ class _Retry(Exception):
 
 
 class _Call:
-    """Per-request state shared by the attempts."""
+    """Per-request state shared by the attempts and the disconnect watcher."""
 
     __slots__ = ("endpoint", "method", "path", "query", "body", "headers", "stream",
-                 "tap_strip", "request_id", "route", "decision", "receipt_ok",
-                 "prompt_tokens", "cached_tokens", "ttfb_s", "replica", "done")
+                 "tap_strip", "request_id", "route", "decision", "prompt_estimate",
+                 "receipt_ok", "prompt_tokens", "cached_tokens", "ttfb_s", "replica", "done",
+                 "gone", "watcher")
 
-    def __init__(self, *, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
+    def __init__(self, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
                  headers: dict[str, str], stream: bool, tap_strip: bool, request_id: str,
-                 route: RouteRequest, decision: Decision) -> None:
+                 route: RouteRequest, decision: Decision, prompt_estimate: int) -> None:
         self.endpoint = endpoint
         self.method = method
         self.path = path
@@ -109,12 +119,18 @@ class _Call:
         self.request_id = request_id
         self.route = route
         self.decision = decision
+        self.prompt_estimate = prompt_estimate
+        """Prompt tokens for the load lease (the decision's count, else an estimate)."""
         self.receipt_ok = False
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
         self.ttfb_s: float | None = None
         self.replica: ReplicaId | None = None
         self.done = False
+        """The response is complete (or being completed): a disconnect no longer matters."""
+        self.gone = False
+        """The watcher saw the client leave and cancelled the handler."""
+        self.watcher: asyncio.Task[None] | None = None
 
 
 class Proxy:
@@ -149,46 +165,63 @@ class Proxy:
         self._backoff = Backoff(f.backoff_base_s, f.backoff_cap_s, f.max_attempts)
         self._passive = settings.health.passive_failures
         self._retry_after = max(1, round(settings.health.interval_s))
+        # Request ids for requests that bring none: unique, not secret, so a PRNG seeded
+        # once from the OS (os.urandom per request is a system call each time).
+        self._ids = random.Random(os.urandom(16))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Caches of bounded size: replica ids and paths come from the configuration and
+        # the routes, reasons from small per-policy enums, label sets likewise.
         self._urls: dict[tuple[ReplicaId, str], URL] = {}
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._bytes: dict[str, bytes] = {}
+        self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
 
-    def _m(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, cached: label sets are bounded, lookups are hot."""
+    def _m(self, metric: Any, *labels: Any) -> Any:
+        """``metric.labels(*labels)``, cached: label sets are bounded, lookups are hot.
+        Non-string labels (status codes) are converted on the first use only."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(*labels)
+            child = self._children[key] = metric.labels(*map(str, labels))
         return child
+
+    def _b(self, text: str) -> bytes:
+        """``text`` as latin-1 bytes, cached (replica ids and reasons: bounded sets)."""
+        raw = self._bytes.get(text)
+        if raw is None:
+            raw = text.encode("latin-1")
+            if len(self._bytes) < 4096:
+                self._bytes[text] = raw
+        return raw
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         """Serve one proxied request (ASGI)."""
-        t0 = self._clock()
+        clock = self._clock
+        t0 = clock()
         status = 500
         try:
             status = await self._handle(scope, receive, send, endpoint)
         finally:
-            m = self._metrics
-            self._m(m.requests, endpoint, str(status)).inc()
-            self._m(m.request_duration, endpoint).observe(self._clock() - t0)
+            self._m(self._metrics.requests, endpoint, status).inc()
+            self._m(self._metrics.request_duration, endpoint).observe(clock() - t0)
+
+    def _new_id(self) -> str:
+        return self._ids.randbytes(16).hex()
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> int:
         try:
             inc = scan_headers(scope["headers"], self._policy_header, self._session_header)
-            request_id = inc.request_id or os.urandom(16).hex()
         except RouterError as exc:
-            return await _send_error(send, exc, os.urandom(16).hex())
+            return await _send_error(send, exc, self._new_id())
+        request_id = inc.request_id or self._new_id()
         try:
             body = await read_body(receive, self._limit, inc.content_length)
             parsed = parse_body(endpoint, body)
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):
                 model = None
-            route = RouteRequest(
-                request_id=request_id, endpoint=endpoint, path=scope["path"], model=model,
-                body=parsed, session_key=inc.session or _user(parsed),
-                policy_override=inc.policy,
-            )
+            route = RouteRequest(request_id, endpoint, scope["path"], model, parsed,
+                                 inc.session or _user(parsed), inc.policy)
             policy = self._policies.get(inc.policy) if inc.policy else self._policies.default
             candidates, known = self._replicas.candidates(model)
             if not candidates:
@@ -213,69 +246,50 @@ class Proxy:
                 strip = True
         headers = inc.forward
         headers["x-request-id"] = request_id
-        call = _Call(endpoint=endpoint, method=scope["method"], path=scope["path"],
-                     query=scope.get("query_string", b""), body=body, headers=headers,
-                     stream=stream, tap_strip=strip, request_id=request_id, route=route,
-                     decision=decision)
         prompt_tokens = decision.prompt_tokens
         if prompt_tokens is None:
             prompt_tokens = len(body) // 4  # load estimate only: ~4 bytes of JSON per token
+        call = _Call(endpoint, scope["method"], scope["path"], scope.get("query_string", b""),
+                     body, headers, stream, strip, request_id, route, decision, prompt_tokens)
         _log.debug("request %s -> %s (%s/%s)", request_id, decision.replicas[0],
                    decision.policy, decision.reason)
-        return await self._run_watched(call, policy, prompt_tokens, receive, send)
 
-    async def _run_watched(self, call: _Call, policy: Policy, prompt_tokens: int,
-                           receive: Receive, send: Send) -> int:
-        task = asyncio.current_task()
+        # The disconnect watcher starts only if the request is still running after
+        # _WATCH_AFTER_S: quick answers never pay for a task, and a client that left
+        # earlier is seen at once when it starts (receive() reports the disconnect).
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    if not call.done:
-                        gone = True
-                        task.cancel()
-                    return
-
-        # The watcher starts only if the request is still running after _WATCH_AFTER_S:
-        # quick answers (most non-streaming ones) never pay for a task, and a client that
-        # left earlier is seen at once when it starts (receive() reports the disconnect).
-        loop = asyncio.get_running_loop()
-        watcher: asyncio.Task[None] | None = None
-
-        def start_watcher() -> None:
-            nonlocal watcher
-            if not call.done:
-                watcher = loop.create_task(watch())
-
-        timer = loop.call_later(_WATCH_AFTER_S, start_watcher)
+        timer = loop.call_later(_WATCH_AFTER_S, self._start_watcher, call, receive, task)
         try:
-            return await self._attempts(call, prompt_tokens, send)
+            return await self._attempts(call, send)
         except asyncio.CancelledError:
-            if gone and task.uncancel() == 0:
+            if call.gone and task.uncancel() == 0:
                 self._metrics.client_disconnects.inc()
                 return _CLIENT_GONE
             raise
         finally:
             timer.cancel()
-            if watcher is not None:
-                watcher.cancel()
-            replica = call.replica or call.decision.replicas[0]
-            receipt = Receipt(replica, call.receipt_ok, call.prompt_tokens, call.cached_tokens,
-                              call.ttfb_s)
+            if call.watcher is not None:
+                call.watcher.cancel()
+            receipt = Receipt(call.replica or decision.replicas[0], call.receipt_ok,
+                              call.prompt_tokens, call.cached_tokens, call.ttfb_s)
             try:
-                policy.record(call.route, call.decision, receipt)
+                policy.record(route, decision, receipt)
             except Exception:  # a policy bug must not break the response path
                 _log.exception("policy %s failed to record request %s",
-                               call.decision.policy, call.request_id)
+                               decision.policy, request_id)
+
+    def _start_watcher(self, call: _Call, receive: Receive, task: asyncio.Task[Any]) -> None:
+        if not call.done:
+            assert self._loop is not None
+            call.watcher = self._loop.create_task(_watch(call, receive, task))
 
     # ------------------------------------------------------------------ attempts
-    async def _attempts(self, call: _Call, prompt_tokens: int, send: Send) -> int:
-        decision: Decision = call.decision
-        order = decision.replicas
+    async def _attempts(self, call: _Call, send: Send) -> int:
+        order = call.decision.replicas
         attempts = min(len(order), self._backoff.max_attempts)
         last_error: UpstreamError | None = None
         for i in range(attempts):
@@ -287,8 +301,7 @@ class Proxy:
                     await asyncio.sleep(delay)
             call.replica = replica
             try:
-                return await self._attempt(call, replica, prompt_tokens, send,
-                                           last=i == attempts - 1)
+                return await self._attempt(call, replica, send, i == attempts - 1)
             except _Retry as retry:
                 self._m(self._metrics.upstream_requests, replica, retry.outcome).inc()
                 if retry.outcome == "connect_error" and self._passive:
@@ -310,11 +323,13 @@ class Proxy:
                 self._urls[key] = url
         return url
 
-    async def _attempt(self, call: _Call, replica: ReplicaId, prompt_tokens: int, send: Send,
-                       *, last: bool) -> int:
+    async def _attempt(self, call: _Call, replica: ReplicaId, send: Send, last: bool) -> int:
+        """One upstream attempt, relayed: returns the status sent to the client, or raises
+        ``_Retry`` while nothing has been sent yet."""
         outcome: Outcome = "cancelled"
-        async with self._load.lease(replica, prompt_tokens) as lease:
-            t_up = self._clock()
+        clock = self._clock
+        with self._load.lease(replica, call.prompt_estimate) as lease:
+            t_up = clock()
             try:
                 resp = await self._session.request(
                     call.method, self._url(replica, call.path, call.query), data=call.body,
@@ -327,16 +342,49 @@ class Proxy:
             except _CONNECT_ERRORS as exc:
                 raise _Retry(ReplicaUnavailable(f"cannot reach replica {replica}: {exc}"),
                              "connect_error") from exc
+            status = resp.status
             counted = False
             try:
-                status = resp.status
                 if status >= 500 and not last:
                     raise _Retry(ReplicaUnavailable(f"replica {replica} answered {status}"),
                                  "http_5xx")
-                if call.stream and status == 200:
-                    outcome = await self._relay_stream(call, replica, resp, lease, send, t_up)
-                else:
-                    outcome = await self._relay_plain(call, replica, resp, lease, send, t_up)
+                if call.endpoint != "other" and not (call.stream and status == 200):
+                    # A chat/completions JSON answer (or an error): read whole, for usage.
+                    try:
+                        body = await resp.read()
+                    except TimeoutError as exc:
+                        raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in "
+                                                    "time"), "timeout") from exc
+                    except (aiohttp.ClientError, OSError) as exc:
+                        raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                                     "connect_error") from exc
+                    self._first_byte(call, replica, lease, clock() - t_up)
+                    if status == 200:
+                        call.prompt_tokens, call.cached_tokens = usage_of_body(body)
+                        call.receipt_ok = True
+                    call.done = True
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": self._headers(call, replica, resp, len(body))})
+                    await send({"type": "http.response.body", "body": body})
+                    outcome = "ok"
+                    return status
+                # A stream (or any /v1/* passthrough): relayed chunk by chunk from the first.
+                try:
+                    chunk = await resp.content.readany()
+                except TimeoutError as exc:
+                    raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
+                                 "timeout") from exc
+                except (aiohttp.ClientError, OSError) as exc:
+                    raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                                 "connect_error") from exc
+                self._first_byte(call, replica, lease, clock() - t_up)
+                tap = UsageTap(strip=call.tap_strip) if call.stream else None
+                await send({"type": "http.response.start", "status": status,
+                            "headers": self._headers(call, replica, resp, None)})
+                outcome = await _pump(call, resp, chunk, tap, send)
+                if tap is not None:
+                    call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
+                    call.receipt_ok = outcome == "ok"
                 return status
             except _Retry:
                 counted = True  # the caller counts it
@@ -344,111 +392,71 @@ class Proxy:
             finally:
                 resp.release()
                 if not counted:
-                    self._count(replica, outcome, resp.status)
-
-    def _count(self, replica: ReplicaId, outcome: Outcome, status: int) -> None:
-        if outcome == "ok" and status >= 400:
-            outcome = "http_5xx" if status >= 500 else "http_4xx"
-        self._m(self._metrics.upstream_requests, replica, outcome).inc()
+                    if outcome == "ok" and status >= 400:
+                        outcome = "http_5xx" if status >= 500 else "http_4xx"
+                    self._m(self._metrics.upstream_requests, replica, outcome).inc()
 
     def _headers(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
                  length: int | None) -> list[tuple[bytes, bytes]]:
         headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _RESP_HOP]
         if length is not None:
-            headers.append((b"content-length", str(length).encode()))
+            headers.append((b"content-length", b"%d" % length))
         headers.append((b"x-request-id", call.request_id.encode("latin-1")))
-        headers.append((b"x-kvroute-replica", replica.encode("latin-1")))
+        headers.append((b"x-kvroute-replica", self._b(replica)))
         decision: Decision = call.decision
-        headers.append((b"x-kvroute-reason", decision.reason.encode("latin-1")))
+        headers.append((b"x-kvroute-reason", self._b(decision.reason)))
         if decision.predicted_cached_tokens is not None:
             headers.append((b"x-kvroute-predicted-cached-tokens",
-                            str(decision.predicted_cached_tokens).encode()))
+                            b"%d" % decision.predicted_cached_tokens))
         return headers
 
-    async def _first_chunk(self, replica: ReplicaId, resp: aiohttp.ClientResponse) -> bytes:
-        try:
-            return await resp.content.readany()
-        except TimeoutError as exc:
-            raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
-                         "timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                         "connect_error") from exc
-
-    async def _relay_plain(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
-                           lease: Lease, send: Send, t_up: float) -> Outcome:
-        """A non-streaming answer (or any non-200 / non-SSE one), relayed chunk by chunk;
-        chat/completions JSON answers are read whole for their usage."""
-        if call.endpoint != "other":
-            try:
-                body = await resp.read()
-            except TimeoutError as exc:
-                raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
-                             "timeout") from exc
-            except (aiohttp.ClientError, OSError) as exc:
-                raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                             "connect_error") from exc
-            self._first_byte(call, replica, lease, t_up)
-            if resp.status == 200:
-                call.prompt_tokens, call.cached_tokens = usage_of_body(body)
-                call.receipt_ok = True
-            call.done = True
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": self._headers(call, replica, resp, len(body))})
-            await send({"type": "http.response.body", "body": body})
-            return "ok"
-        chunk = await self._first_chunk(replica, resp)
-        self._first_byte(call, replica, lease, t_up)
-        await send({"type": "http.response.start", "status": resp.status,
-                    "headers": self._headers(call, replica, resp, None)})
-        return await self._pump(call, resp, chunk, None, send)
-
-    async def _relay_stream(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
-                            lease: Lease, send: Send, t_up: float) -> Outcome:
-        chunk = await self._first_chunk(replica, resp)
-        self._first_byte(call, replica, lease, t_up)
-        tap = UsageTap(strip=call.tap_strip)
-        await send({"type": "http.response.start", "status": resp.status,
-                    "headers": self._headers(call, replica, resp, None)})
-        outcome = await self._pump(call, resp, chunk, tap, send)
-        call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
-        call.receipt_ok = outcome == "ok"
-        return outcome
-
-    def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, t_up: float) -> None:
+    def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, ttfb: float) -> None:
         lease.first_byte()
-        call.ttfb_s = ttfb = self._clock() - t_up
+        call.ttfb_s = ttfb
         self._m(self._metrics.ttfb, replica).observe(ttfb)
 
-    async def _pump(self, call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
-                    tap: UsageTap | None, send: Send) -> Outcome:
-        """Relay ``chunk`` and every later one; end the body (with an SSE error event if
-        the upstream fails after the first byte)."""
-        content = resp.content
-        try:
-            while chunk:
-                out = tap.feed(chunk) if tap is not None else chunk
-                if content.at_eof():  # the last chunk: end the body in the same write
-                    call.done = True
-                    tail = tap.flush() if tap is not None else b""
-                    await send({"type": "http.response.body", "body": out + tail})
-                    return "ok"
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                chunk = await content.readany()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            code = "replica_timeout" if isinstance(exc, asyncio.TimeoutError) else "replica_failed"
-            _log.warning("request %s: replica failed mid-stream: %r", call.request_id, exc)
-            call.done = True
-            tail = (tap.flush() if tap is not None else b"")
-            await send({"type": "http.response.body",
-                        "body": tail + sse_error_event(f"upstream failed mid-stream: {exc!r}",
-                                                       code)})
-            return "midstream_error"
+
+async def _watch(call: _Call, receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Wait for ``http.disconnect``; cancel the handler's task if the response is not done.
+    Owned by the handler, which cancels it in its ``finally``."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not call.done:
+                call.gone = True
+                task.cancel()
+            return
+
+
+async def _pump(call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
+                tap: UsageTap | None, send: Send) -> Outcome:
+    """Relay ``chunk`` and every later one; end the body (with an SSE error event if
+    the upstream fails after the first byte)."""
+    content = resp.content
+    try:
+        while chunk:
+            out = tap.feed(chunk) if tap is not None else chunk
+            if content.at_eof():  # the last chunk: end the body in the same write
+                call.done = True
+                tail = tap.flush() if tap is not None else b""
+                await send({"type": "http.response.body", "body": out + tail})
+                return "ok"
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            chunk = await content.readany()
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        code = "replica_timeout" if isinstance(exc, asyncio.TimeoutError) else "replica_failed"
+        _log.warning("request %s: replica failed mid-stream: %r", call.request_id, exc)
         call.done = True
-        tail = tap.flush() if tap is not None else b""
-        await send({"type": "http.response.body", "body": tail})
-        return "ok"
+        tail = (tap.flush() if tap is not None else b"")
+        await send({"type": "http.response.body",
+                    "body": tail + sse_error_event(f"upstream failed mid-stream: {exc!r}",
+                                                   code)})
+        return "midstream_error"
+    call.done = True
+    tail = tap.flush() if tap is not None else b""
+    await send({"type": "http.response.body", "body": tail})
+    return "ok"
 
 
 def _user(parsed: Mapping[str, Any] | None) -> str | None:

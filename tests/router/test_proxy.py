@@ -103,9 +103,11 @@ async def test_request_id_and_routing_headers(fakes: StartFakes, start_router: S
     assert served.completions()[-1].headers["X-Request-Id"] == "abc-123"
     async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
         generated = resp.headers["x-request-id"]
-        assert len(generated) == 32
+        assert len(generated) == 32 and int(generated, 16) >= 0
     other = b if served is a else a
     assert other.completions()[-1].headers["X-Request-Id"] == generated
+    async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+        assert resp.headers["x-request-id"] != generated  # one per request
 
 
 async def test_round_robin_spreads_and_policy_header_overrides(

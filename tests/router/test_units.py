@@ -83,6 +83,20 @@ async def test_lease_returns_on_error_and_cancel() -> None:
     assert load.get(R1) == ReplicaLoad()
 
 
+def test_lease_as_a_plain_context_manager() -> None:
+    """The proxy's form (``with``, no coroutine): same accounting, returned on error."""
+    load = LoadTracker([R1])
+    with load.lease(R1, 100) as lease:
+        assert load.get(R1) == ReplicaLoad(in_flight=1, queued_prefill_tokens=100, decoding=0)
+        lease.first_byte()
+        assert load.get(R1) == ReplicaLoad(in_flight=1, queued_prefill_tokens=0, decoding=1)
+    assert load.get(R1) == ReplicaLoad()
+    with pytest.raises(RuntimeError), load.lease(R1, 10):
+        assert load.get(R1).queued_prefill_tokens == 10
+        raise RuntimeError("boom")
+    assert load.get(R1) == ReplicaLoad()
+
+
 async def test_round_robin_rotates_failover_order() -> None:
     policy = RoundRobin()
     orders = [(await policy.route(REQ, [R1, R2, R3])).replicas for _ in range(4)]
