@@ -8,6 +8,13 @@ Never session ids, client-supplied model names or prompts.
 State gauges (in-flight, queued prefill tokens, health) are read from the load tracker and
 the replica registry at scrape time by ``_StateCollector``: the hot path pays nothing.
 
+The five series every proxied request updates (requests, request duration, decisions,
+upstream attempts, TTFB) are ``FastCounter`` / ``FastHistogram``: the same exposition as
+``prometheus_client``'s ``Counter`` and ``Histogram`` (``_total``, ``_bucket``, ``_sum``,
+``_count``, ``_created``), without the per-update lock and checks (about a microsecond per
+update there, five times per request).  They are safe because the router is one thread
+on one event loop: updates and scrapes never run concurrently.
+
 Other components add their series here (one module for all metrics), as attributes of
 ``RouterMetrics``; ``close()`` unregisters everything so an app can be built twice on
 one registry.
@@ -15,17 +22,26 @@ one registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from router.load import LoadTracker
     from router.replicas import ReplicaRegistry
 
-__all__ = ["KvMetrics", "Outcome", "RouterMetrics"]
+__all__ = ["FastCounter", "FastHistogram", "KvMetrics", "Outcome", "RouterMetrics"]
 
 Outcome = Literal[
     "ok", "http_4xx", "http_5xx", "connect_error", "timeout", "midstream_error", "cancelled"
@@ -39,30 +55,140 @@ _LATENCY_BUCKETS = (
 )
 
 
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add ``amount`` (callers pass non-negative amounts)."""
+        self.value += amount
+
+
+class FastCounter:
+    """A labelled counter for the hot path: ``labels(*values).inc()``, exported like
+    ``prometheus_client.Counter`` (``name_total`` and ``name_created`` per label set)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _CounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _CounterChild:
+        """The child for one label set (created at zero on first use)."""
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _CounterChild()
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            family.add_metric(values, child.value, created=child.created)
+        yield family
+
+
+class _HistogramChild:
+    __slots__ = ("_bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)
+        """Per bucket (not cumulative): ``counts[i]`` observations in (bound[i-1], bound[i]]."""
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        """Record one observation."""
+        self.sum += amount
+        self.counts[bisect_left(self._bounds, amount)] += 1
+
+
+class FastHistogram:
+    """A labelled histogram for the hot path: ``labels(*values).observe(v)``, exported like
+    ``prometheus_client.Histogram`` (cumulative ``le`` buckets with ``+Inf``, ``_count``,
+    ``_sum``, ``_created``)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry, *, buckets: Sequence[float]) -> None:
+        bounds = sorted(float(b) for b in buckets)
+        if not bounds or bounds[-1] != float("inf"):
+            bounds.append(float("inf"))
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(bounds)
+        self._les = tuple(_le(b) for b in bounds)
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HistogramChild:
+        """The child for one label set (created empty on first use)."""
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _HistogramChild(self._bounds)
+        return child
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, child in list(self._children.items()):
+            total = 0.0
+            cumulative: list[tuple[str, float]] = []
+            for le, count in zip(self._les, child.counts, strict=True):
+                total += count
+                cumulative.append((le, total))
+            family.add_metric(values, cumulative, child.sum)
+            family.samples.append(Sample(self._name + "_created",
+                                         dict(zip(self._labelnames, values, strict=True)),
+                                         child.created, None, None))
+        yield family
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as ``prometheus_client`` writes it (``0.001``, ``1.0``, ``+Inf``)."""
+    text: str = floatToGoString(bound)  # type: ignore[no-untyped-call]  # untyped upstream
+    return text
+
+
 class RouterMetrics:
     """The router's series.  Build once per app, in the lifespan."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter(
+        self.requests = FastCounter(
             "router_requests_total", "Requests answered by the router, by endpoint and status.",
-            ["endpoint", "status"], registry=registry,
+            ["endpoint", "status"], registry,
         )
-        self.upstream_requests = Counter(
+        self.upstream_requests = FastCounter(
             "router_upstream_requests_total", "Upstream attempts, by replica and outcome.",
-            ["replica", "outcome"], registry=registry,
+            ["replica", "outcome"], registry,
         )
-        self.decisions = Counter(
+        self.decisions = FastCounter(
             "router_decisions_total", "Routing decisions, by policy and reason.",
-            ["policy", "reason"], registry=registry,
+            ["policy", "reason"], registry,
         )
-        self.ttfb = Histogram(
+        self.ttfb = FastHistogram(
             "router_ttfb_seconds", "Time from the upstream request to its first body byte.",
-            ["replica"], buckets=_LATENCY_BUCKETS, registry=registry,
+            ["replica"], registry, buckets=_LATENCY_BUCKETS,
         )
-        self.request_duration = Histogram(
+        self.request_duration = FastHistogram(
             "router_request_duration_seconds", "Whole request time as seen by the router.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=registry,
+            ["endpoint"], registry, buckets=_LATENCY_BUCKETS,
         )
         self.failovers = Counter(
             "router_failovers_total", "Retries on another replica after this one failed.",

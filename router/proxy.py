@@ -170,19 +170,9 @@ class Proxy:
         self._ids = random.Random(os.urandom(16))
         self._loop: asyncio.AbstractEventLoop | None = None
         # Caches of bounded size: replica ids and paths come from the configuration and
-        # the routes, reasons from small per-policy enums, label sets likewise.
+        # the routes, reasons from small per-policy enums.
         self._urls: dict[tuple[ReplicaId, str], URL] = {}
         self._bytes: dict[str, bytes] = {}
-        self._children: dict[tuple[int, tuple[Any, ...]], Any] = {}
-
-    def _m(self, metric: Any, *labels: Any) -> Any:
-        """``metric.labels(*labels)``, cached: label sets are bounded, lookups are hot.
-        Non-string labels (status codes) are converted on the first use only."""
-        key = (id(metric), labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*map(str, labels))
-        return child
 
     def _b(self, text: str) -> bytes:
         """``text`` as latin-1 bytes, cached (replica ids and reasons: bounded sets)."""
@@ -202,8 +192,9 @@ class Proxy:
         try:
             status = await self._handle(scope, receive, send, endpoint)
         finally:
-            self._m(self._metrics.requests, endpoint, status).inc()
-            self._m(self._metrics.request_duration, endpoint).observe(clock() - t0)
+            metrics = self._metrics
+            metrics.requests.labels(endpoint, _status_text(status)).inc()
+            metrics.request_duration.labels(endpoint).observe(clock() - t0)
 
     def _new_id(self) -> str:
         return self._ids.randbytes(16).hex()
@@ -235,7 +226,7 @@ class Proxy:
             return _CLIENT_GONE
         except RouterError as exc:
             return await _send_error(send, exc, request_id)
-        self._m(self._metrics.decisions, decision.policy, decision.reason).inc()
+        self._metrics.decisions.labels(decision.policy, decision.reason).inc()
 
         stream = parsed is not None and endpoint != "other" and parsed.get("stream") is True
         strip = False
@@ -295,7 +286,7 @@ class Proxy:
         for i in range(attempts):
             replica = order[i]
             if i:
-                self._m(self._metrics.failovers, order[i - 1]).inc()
+                self._metrics.failovers.labels(order[i - 1]).inc()
                 delay = self._backoff.compute(i)
                 if delay:
                     await asyncio.sleep(delay)
@@ -303,7 +294,7 @@ class Proxy:
             try:
                 return await self._attempt(call, replica, send, i == attempts - 1)
             except _Retry as retry:
-                self._m(self._metrics.upstream_requests, replica, retry.outcome).inc()
+                self._metrics.upstream_requests.labels(replica, retry.outcome).inc()
                 if retry.outcome == "connect_error" and self._passive:
                     self._replicas.record_probe(replica, False)
                 last_error = retry.error
@@ -394,7 +385,7 @@ class Proxy:
                 if not counted:
                     if outcome == "ok" and status >= 400:
                         outcome = "http_5xx" if status >= 500 else "http_4xx"
-                    self._m(self._metrics.upstream_requests, replica, outcome).inc()
+                    self._metrics.upstream_requests.labels(replica, outcome).inc()
 
     def _headers(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
                  length: int | None) -> list[tuple[bytes, bytes]]:
@@ -413,7 +404,7 @@ class Proxy:
     def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, ttfb: float) -> None:
         lease.first_byte()
         call.ttfb_s = ttfb
-        self._m(self._metrics.ttfb, replica).observe(ttfb)
+        self._metrics.ttfb.labels(replica).observe(ttfb)
 
 
 async def _watch(call: _Call, receive: Receive, task: asyncio.Task[Any]) -> None:
@@ -457,6 +448,13 @@ async def _pump(call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
     tail = tap.flush() if tap is not None else b""
     await send({"type": "http.response.body", "body": tail})
     return "ok"
+
+
+_STATUS_TEXT = {code: str(code) for code in range(100, 600)}
+
+
+def _status_text(status: int) -> str:
+    return _STATUS_TEXT.get(status) or str(status)
 
 
 def _user(parsed: Mapping[str, Any] | None) -> str | None:
