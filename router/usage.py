@@ -12,7 +12,9 @@ vLLM reports ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_to
   only until its blank line arrives: nothing is delayed beyond the event it belongs to)
   and drops the usage-only chunk, so the client sees exactly what it asked for.  With
   ``strip=False`` chunks pass through untouched.
-* ``usage_of_body(body)`` reads a non-streaming JSON response.
+* ``usage_of_body(body)`` reads a non-streaming JSON response.  It decodes only the
+  ``usage`` member (msgspec, every other member skipped unbuilt: the answer text is most
+  of the body), so its cost hardly grows with the answer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import orjson
 
 __all__ = ["UsageTap", "inject_include_usage", "usage_of_body"]
@@ -55,14 +58,24 @@ def _usage_numbers(obj: Any) -> tuple[int | None, int | None] | None:
             cached if isinstance(cached, int) else None)
 
 
+class _WithUsage(msgspec.Struct):
+    """A response object as far as usage goes: any other member is skipped."""
+
+    usage: Any = None
+
+
+_decode_usage = msgspec.json.Decoder(_WithUsage).decode
+
+
 def usage_of_body(body: bytes) -> tuple[int | None, int | None]:
     """``(prompt_tokens, cached_tokens)`` of a JSON response (``None`` when absent)."""
     if _USAGE not in body:
         return None, None
     try:
-        found = _usage_numbers(orjson.loads(body))
-    except orjson.JSONDecodeError:
+        usage = _decode_usage(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):  # not JSON, or not an object
         return None, None
+    found = _usage_numbers({"usage": usage})
     return found if found is not None else (None, None)
 
 

@@ -143,3 +143,12 @@ def test_usage_of_body() -> None:
     assert usage_of_body(b'{"x":1}') == (None, None)
     assert usage_of_body(b'{"usage": nope') == (None, None)
     assert usage_of_body(b'{"usage": null}') == (None, None)
+    # only the top-level member counts; the rest is skipped, whatever it holds
+    answer = {"choices": [{"message": {"content": "usage " * 5000, "usage": {"prompt_tokens": 1}}}],
+              "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}}
+    assert usage_of_body(orjson.dumps(answer)) == (7, 5)
+    assert usage_of_body(b'["usage", {"usage": {"prompt_tokens": 3}}]') == (None, None)
+    assert usage_of_body(b'"usage"') == (None, None)
+    assert usage_of_body(b'{"usage": {"prompt_tokens": "3", "prompt_tokens_details": 1}}') == (
+        None, None)
+    assert usage_of_body(b'{"usage": {"prompt_tokens": 3}, "x": [1,') == (None, None)
