@@ -16,7 +16,16 @@ Measured: at concurrency 1, latency p50/p99 direct and routed and the added late
 streams also time to first body byte (TTFB); at concurrency 32 and 128, requests/s direct
 and routed.  Prints a table with ratios and writes JSON (``--out``).  Bounded: every
 phase runs for ``--phase-s`` seconds, ``--rounds`` interleaved rounds per cell with the
-best kept (defaults 1.2 s x 3: the whole run takes about a minute).
+best kept and the median printed next to it (defaults 1.2 s x 3: the whole run takes
+about a minute).
+
+Why rounds differ: on a shared 2-CPU machine other processes take CPU time from the
+router's core.  Every router round therefore also reports the router's CPU per request,
+its share of its core (``cpu_share``: below ~0.95 it was not running all the time, so
+it was preempted or starved of load), the load generator's and replicas' share of theirs
+(``gen_share``: near 1.0 the load side is the limit) and the CPU time all other processes
+used meanwhile (``others_cpu``, in cores).  A slow round with a high ``others_cpu`` and a
+router CPU per request like the fast rounds' was interference, not the router.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -230,6 +240,12 @@ class PhaseResult:
     router_cpu_us_per_request: float | None = None
     """Router process CPU (user + system) per request: robust to a busy machine, and
     ``1e6 / value`` is the rate one dedicated core would sustain."""
+    cpu_share: float | None = None
+    """Router CPU seconds per wall second (1.0: it ran all the time on its core)."""
+    gen_share: float | None = None
+    """Load generator plus replicas, CPU seconds per wall second (their core)."""
+    others_cpu: float | None = None
+    """CPU seconds per wall second used by every other process on the machine."""
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -238,8 +254,39 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _machine_busy_seconds() -> float:
+    """CPU time every process on the machine has used so far (``/proc/stat``: all but
+    idle and iowait), in seconds."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ticks = [int(f) for f in fields]
+    busy = sum(ticks[:8]) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+class _CpuWatch:
+    """CPU used by the router, by the load side (this process and the replicas) and by
+    everything else, between ``__init__`` and ``stop``."""
+
+    def __init__(self, router_pid: int, load_pids: list[int]) -> None:
+        self._router = router_pid
+        self._load = load_pids
+        self._t0 = time.perf_counter()
+        self._r0 = _cpu_seconds(router_pid)
+        self._l0 = sum(_cpu_seconds(p) for p in load_pids)
+        self._m0 = _machine_busy_seconds()
+
+    def stop(self) -> tuple[float, float, float, float]:
+        """``(router CPU s, router share, load-side share, others' CPU in cores)``."""
+        wall = time.perf_counter() - self._t0
+        router = _cpu_seconds(self._router) - self._r0
+        load = sum(_cpu_seconds(p) for p in self._load) - self._l0
+        machine = _machine_busy_seconds() - self._m0
+        return router, router / wall, load / wall, max(0.0, machine - router - load) / wall
+
+
 async def _phase(ports: list[int], target: str, body: bytes, stream: bool, concurrency: int,
-                 seconds: float, cpu_pid: int | None = None) -> PhaseResult:
+                 seconds: float, cpu_pid: int | None = None,
+                 load_pids: list[int] | None = None) -> PhaseResult:
     conns = [await _Conn.open(ports[i % len(ports)]) for i in range(concurrency)]
     payloads = [_request_bytes(ports[i % len(ports)], body) for i in range(concurrency)]
     lat: list[float] = []
@@ -255,17 +302,22 @@ async def _phase(ports: list[int], target: str, body: bytes, stream: bool, concu
                 ttfbs.append(f)
 
     await asyncio.gather(*(run(i, warm_until, False) for i in range(concurrency)))
-    cpu0 = _cpu_seconds(cpu_pid) if cpu_pid is not None else 0.0
+    watch = (_CpuWatch(cpu_pid, [os.getpid(), *(load_pids or [])])
+             if cpu_pid is not None else None)
     t0 = time.perf_counter()
     await asyncio.gather(*(run(i, t0 + seconds, True) for i in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    cpu = (_cpu_seconds(cpu_pid) - cpu0) / max(1, len(lat)) * 1e6 if cpu_pid else None
+    cpu = share = gen = others = None
+    if watch is not None:
+        router_s, share, gen, others = watch.stop()
+        cpu = router_s / max(1, len(lat)) * 1e6
     for c in conns:
         c.close()
     lat.sort()
     ttfbs.sort()
     return PhaseResult(target, stream, concurrency, len(lat), elapsed, len(lat) / elapsed,
-                       _pct(lat, 50) * 1e3, _pct(lat, 99) * 1e3, _pct(ttfbs, 50) * 1e3, cpu)
+                       _pct(lat, 50) * 1e3, _pct(lat, 99) * 1e3, _pct(ttfbs, 50) * 1e3, cpu,
+                       share, gen, others)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -303,10 +355,13 @@ def _pin(pid: int, cpus: set[int], enabled: bool) -> None:
 
 
 async def _measure(replica_ports: list[int], router_port: int, phase_s: float, rounds: int,
-                   router_pid: int) -> list[PhaseResult]:
+                   router_pid: int, replicas_pid: int) -> tuple[list[PhaseResult],
+                                                              list[PhaseResult]]:
     """Every (mode, concurrency) cell: ``rounds`` interleaved direct/router phases; the
-    best round of each target is kept (noise from other processes only slows things)."""
+    best round of each target is kept (noise from other processes only slows things) and
+    every round is returned too (``(best, all)``)."""
     results: list[PhaseResult] = []
+    every: list[PhaseResult] = []
     for stream in (False, True):
         body = chat_body(stream)
         for concurrency in (1, 32, 128):
@@ -315,22 +370,34 @@ async def _measure(replica_ports: list[int], router_port: int, phase_s: float, r
                 for target, ports in (("direct", replica_ports), ("router", [router_port])):
                     pid = router_pid if target == "router" else None
                     runs[target].append(
-                        await _phase(ports, target, body, stream, concurrency, phase_s, pid))
+                        await _phase(ports, target, body, stream, concurrency, phase_s, pid,
+                                     [replicas_pid]))
             for target, phases in runs.items():
+                every.extend(phases)
                 best = (min(phases, key=lambda r: r.p50_ms) if concurrency == 1
                         else max(phases, key=lambda r: r.rps))
                 results.append(best)
+                median = statistics.median(r.rps for r in phases)
                 print(f"  {'stream' if stream else 'plain ':6} c={concurrency:<3} {target:6} "
                       f"{best.rps:8.0f} req/s  p50 {best.p50_ms:6.3f} ms  "
                       f"p99 {best.p99_ms:7.3f} ms  ttfb p50 {best.ttfb_p50_ms:6.3f} ms  "
-                      f"(rounds: {', '.join(f'{r.rps:.0f}' for r in phases)} req/s)"
+                      f"(rounds: {', '.join(f'{r.rps:.0f}' for r in phases)} req/s, "
+                      f"median {median:.0f})"
                       + (f"  router CPU {best.router_cpu_us_per_request:.0f} us/req"
                          if best.router_cpu_us_per_request is not None else ""),
                       flush=True)
-    return results
+                if target == "router":
+                    print("         rounds: " + "; ".join(
+                        f"{r.rps:.0f} req/s {r.router_cpu_us_per_request:.0f} us/req "
+                        f"cpu_share {r.cpu_share:.2f} gen_share {r.gen_share:.2f} "
+                        f"others_cpu {r.others_cpu:.2f}"
+                        for r in phases
+                        if r.router_cpu_us_per_request is not None and r.cpu_share is not None
+                        and r.gen_share is not None and r.others_cpu is not None), flush=True)
+    return results, every
 
 
-def _summary(results: list[PhaseResult]) -> dict[str, Any]:
+def _summary(results: list[PhaseResult], every: list[PhaseResult]) -> dict[str, Any]:
     def get(target: str, stream: bool, c: int) -> PhaseResult:
         return next(r for r in results
                     if r.target == target and r.stream == stream and r.concurrency == c)
@@ -353,6 +420,10 @@ def _summary(results: list[PhaseResult]) -> dict[str, Any]:
             entry[f"rps_c{c}_direct"] = d.rps
             entry[f"rps_c{c}_router"] = r.rps
             entry[f"rps_c{c}_ratio"] = r.rps / d.rps
+            rounds = [x.rps for x in every
+                      if x.target == "router" and x.stream == stream and x.concurrency == c]
+            entry[f"rps_c{c}_router_rounds"] = rounds
+            entry[f"rps_c{c}_router_worst"] = min(rounds, default=r.rps)
             if r.router_cpu_us_per_request:
                 entry[f"router_cpu_us_per_request_c{c}"] = r.router_cpu_us_per_request
                 entry[f"rps_c{c}_router_one_core"] = 1e6 / r.router_cpu_us_per_request
@@ -429,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         load_before = os.getloadavg()
-        results = uvloop.run(_measure(replica_ports, router_port, args.phase_s, args.rounds,
-                                      router.pid))
+        results, every = uvloop.run(_measure(replica_ports, router_port, args.phase_s,
+                                             args.rounds, router.pid, replicas.pid))
         load_after = os.getloadavg()
         calibration = _calibrate(args.phase_s, pin)
     finally:
@@ -444,13 +515,14 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait()
         if replicas.stdout is not None:
             replicas.stdout.close()
-    summary = _summary(results)
+    summary = _summary(results, every)
     report = {
         "replicas": args.replicas, "phase_s": args.phase_s, "rounds": args.rounds,
         "policy": args.policy, "pinned": pin,
         "loadavg_before": load_before, "loadavg_after": load_after,
         "body_bytes": len(chat_body(False)), "cpus": os.cpu_count(),
         "summary": summary, "phases": [asdict(r) for r in results],
+        "rounds_all": [asdict(r) for r in every],
         "calibration_bare_uvicorn": asdict(calibration),
     }
     Path(args.out).write_text(json.dumps(report, indent=2))
@@ -458,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, entry in summary.items():
         line = (f"{key:10}: added p50 {entry['added_p50_ms']:.3f} ms, p99 "
                 f"{entry['added_p99_ms']:.3f} ms; c32 {entry['rps_c32_router']:.0f} req/s "
-                f"({entry['rps_c32_ratio']:.2f}x direct); c128 "
+                f"({entry['rps_c32_ratio']:.2f}x direct, worst round "
+                f"{entry['rps_c32_router_worst']:.0f}); c128 "
                 f"{entry['rps_c128_router']:.0f} req/s ({entry['rps_c128_ratio']:.2f}x)")
         if "rps_c32_router_one_core" in entry:
             line += (f"; router CPU {entry['router_cpu_us_per_request_c32']:.0f} us/req at c32 "
