@@ -186,6 +186,35 @@ def _aliases(root: jinja2.nodes.Node, name: str) -> Iterator[str]:
                     pending.append(target)
 
 
+def message_list_names(root: jinja2.nodes.Node) -> frozenset[str]:
+    """``messages`` and every variable the template assigns from it (vLLM's alias rule).
+
+    Raises ``ValueError`` for an assignment target that is not a plain name (vLLM's
+    assertion).
+    """
+    try:
+        return frozenset(_aliases(root, "messages"))
+    except _UnexpectedShape as exc:
+        raise ValueError("an alias of messages is assigned to a non-name target") from exc
+
+
+def iterates_over(loop: jinja2.nodes.For, names: frozenset[str]) -> bool:
+    """``loop`` iterates over one of ``names`` (possibly filtered, tested or sliced)."""
+    return any(_refers_to(loop.iter, n) for n in names)
+
+
+def is_generation_block(node: jinja2.nodes.Node) -> bool:
+    """``node`` is a ``{% generation %}`` block (which renders its body unchanged)."""
+    if not isinstance(node, jinja2.nodes.CallBlock) or not isinstance(node.call, jinja2.nodes.Call):
+        return False
+    attr = node.call.node
+    return (
+        isinstance(attr, jinja2.nodes.ExtensionAttribute)
+        and attr.identifier == _GenerationTag.identifier
+        and attr.name == "_render_body"
+    )
+
+
 def _message_loop_targets(root: jinja2.nodes.Node) -> Iterator[str]:
     """Loop variables of ``for m in messages`` (or an alias of ``messages``)."""
     names = list(_aliases(root, "messages"))
@@ -238,6 +267,9 @@ __all__ = [
     "ContentFormat",
     "compile_template",
     "detect_content_format",
+    "is_generation_block",
+    "iterates_over",
     "make_environment",
+    "message_list_names",
     "template_variables",
 ]
