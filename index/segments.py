@@ -36,6 +36,16 @@ Each cached piece carries a serial number, unique for the life of the encoder, t
 ``index.prompt.PromptKeyer`` uses to memoise block keys per sequence of pieces.  Added
 tokens use ``-(id + 1)`` as serial.
 
+Turn N+1's text starts with most of turn N's, so ``split(text, previous)`` does not
+even cut and look up the shared part again.  A ``TextSplit`` records where each added
+token matched on the raw text ends.  The cut is leftmost-longest, so the decision at a
+position depends only on the next ``L`` characters (``L`` = the longest added token):
+if two texts agree on their first ``P`` characters, every cut ending at or before
+``P - L + 1`` is made identically in both, and the rest of the text is cut as a text
+of its own from there.  ``split`` finds ``P`` by comparing the texts (memcmp speed),
+takes the previous segments up to the last such cut and cuts only the remainder.
+Reused pieces are not refreshed in the LRU (they are not looked up).
+
 The encoder is not thread-safe; it belongs to one event loop.
 """
 
@@ -44,6 +54,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +95,24 @@ class SegmentStats:
     misses: int = 0
     tokens_encoded: int = 0
     evictions: int = 0
+    reused: int = 0
+    """Segments taken over from a previous split (``SegmentEncoder.split``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TextSplit:
+    """A text cut into segments, and the cuts a longer text sharing its start may keep.
+
+    ``offsets[i]`` is where the ``i``-th added token matched on the raw text ends
+    (ascending) and ``counts[i]`` the number of segments up to there.
+    """
+
+    text: str
+    segments: list[Segment]
+    offsets: list[int]
+    counts: list[int]
+    shared: int = 0
+    """Leading segments taken over from the split this one resumed."""
 
 
 class SegmentEncoder:
@@ -102,6 +131,7 @@ class SegmentEncoder:
         self.stats = SegmentStats()
         added = tokenizer.get_added_tokens_decoder()
         self._added_ids: dict[str, int] = {tok.content: i for i, tok in added.items()}
+        self._longest_added = max((len(t) for t in self._added_ids), default=0)
         self._raw_split, self._norm_split, reason = _build_splitters(tokenizer, added)
         self.splittable = reason is None
         self.unsplittable_reason = reason
@@ -120,6 +150,25 @@ class SegmentEncoder:
             prefix, suffix = self._affixes
             return [*prefix, *self._pieces(text), *suffix]
         return self._pieces(text)
+
+    def split(self, text: str, previous: TextSplit | None = None) -> TextSplit:
+        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
+        if not self.splittable or self._raw_split is None:
+            return TextSplit(text, self._pieces(text), [], [])
+        start = shared = 0
+        segments: list[Segment] = []
+        offsets: list[int] = []
+        counts: list[int] = []
+        if previous is not None and previous.offsets:
+            limit = _common_prefix_length(text, previous.text) - self._longest_added + 1
+            i = bisect_right(previous.offsets, limit)
+            if i:
+                start, shared = previous.offsets[i - 1], previous.counts[i - 1]
+                segments = previous.segments[:shared]
+                offsets, counts = previous.offsets[:i], previous.counts[:i]
+                self.stats.reused += shared
+        self._cut(text[start:] if start else text, segments, start, offsets, counts)
+        return TextSplit(text, segments, offsets, counts, shared)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``, equal to ``tokenizer.encode(text, ...).ids``."""
@@ -148,13 +197,31 @@ class SegmentEncoder:
         if not self.splittable or self._raw_split is None:
             return [self._whole(text, add_special_tokens=False)] if text else []
         out: list[Segment] = []
+        self._cut(text, out, 0, None, None)
+        return out
+
+    def _cut(
+        self,
+        text: str,
+        out: list[Segment],
+        at: int,
+        offsets: list[int] | None,
+        counts: list[int] | None,
+    ) -> None:
+        """Append ``text``'s segments to ``out``; with ``offsets``/``counts``, also the
+        end of each added token matched on the raw text (``text`` starting at ``at``)."""
+        assert self._raw_split is not None
         missing: dict[str, list[int]] = {}  # piece -> positions in ``out``
         added = self._added_ids
         cache = self._cache
         for i, piece in enumerate(self._raw_split.split(text)):
+            at += len(piece)
             if i % 2:
                 tid = added[piece]
                 out.append((-tid - 1, (tid,)))
+                if offsets is not None and counts is not None:
+                    offsets.append(at)
+                    counts.append(len(out))
             elif piece:
                 subs = [piece] if self._norm_split is None else self._norm_split.split(piece)
                 for j, sub in enumerate(subs):
@@ -176,9 +243,8 @@ class SegmentEncoder:
         encode = self._tok.encode
         for piece, positions in missing.items():
             seg = self._store(piece, encode(piece, add_special_tokens=False).ids)
-            for at in positions:
-                out[at] = seg
-        return out
+            for pos in positions:
+                out[pos] = seg
 
     def _whole(self, text: str, *, add_special_tokens: bool) -> Segment:
         key = ("\x01" if add_special_tokens else "\x00") + text
@@ -238,6 +304,23 @@ class SegmentEncoder:
             [(-t - 1, (t,)) for t in prefix],
             [(-t - 1, (t,)) for t in suffix],
         )
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix, by slice comparisons (O(n) memcmp)."""
+    n = min(len(a), len(b))
+    if a.startswith(b) if len(b) <= len(a) else b.startswith(a):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a.startswith(b[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 def _find(haystack: list[int], needle: list[int]) -> int:
@@ -362,4 +445,4 @@ def _pre_tokenizer_reason(node: Any) -> str | None:
     return None
 
 
-__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "Segment", "SegmentEncoder", "SegmentStats"]
+__all__ = ["DEFAULT_MAX_CACHED_TOKENS", "Segment", "SegmentEncoder", "SegmentStats", "TextSplit"]
