@@ -14,13 +14,20 @@ blocks its new segments complete.  The memo is bounded (a trie of at most ``max_
 states, dropped whole when full); a miss only costs recomputation, and the result is
 always equal to ``block_keys`` over the whole token list (a property test checks this).
 
+A prompt that starts with the very segments of an earlier one can skip even the walk
+down the trie: ``keys(..., resume=KeyResume(trail, shared))`` starts from the state
+the earlier prompt reached after its first ``shared`` segments (its ``KeyTrail``, the
+state after each of its segments, taken only under the same ``KeyContext``) and leaves
+this prompt's own trail in ``resume.trail``.  States are plain values: a trail stays
+valid after the trie is dropped.
+
 ``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
 400).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,6 +121,28 @@ class _Node:
         self.children: dict[int, _Node] = {}
 
 
+class KeyTrail:
+    """The chain states one keyed prompt reached: ``nodes[i]`` after its segment ``i``,
+    under ``ctx``; ``keys`` are that prompt's block keys (read-only)."""
+
+    __slots__ = ("ctx", "keys", "nodes")
+
+    def __init__(self, ctx: KeyContext, nodes: list[_Node], keys: list[RequestKey]) -> None:
+        self.ctx = ctx
+        self.nodes = nodes
+        self.keys = keys
+
+
+@dataclass(slots=True, eq=False)
+class KeyResume:
+    """Keying a prompt whose first ``shared`` segments are those of ``base``'s prompt."""
+
+    base: KeyTrail | None
+    shared: int
+    trail: KeyTrail | None = None
+    """This prompt's trail, left by ``PromptKeyer.keys`` (which drops ``base``)."""
+
+
 class PromptKeyer:
     """Block keys of segmented prompts, memoised as a trie of (chain state, segment).
 
@@ -131,27 +160,53 @@ class PromptKeyer:
         self.misses = 0
         self.resets = 0
 
-    def keys(self, ctx: KeyContext, segments: Iterable[Segment]) -> list[RequestKey]:
-        """``block_keys`` of the concatenated segment ids under ``ctx``."""
-        node = self._roots.get(ctx)
-        if node is None:
-            node = self._roots[ctx] = _Node(0, None, (), [])
-            self._count_node()
+    def keys(
+        self,
+        ctx: KeyContext,
+        segments: Sequence[Segment],
+        *,
+        resume: KeyResume | None = None,
+    ) -> list[RequestKey]:
+        """``block_keys`` of the concatenated segment ids under ``ctx``.
+
+        With ``resume``, start after its ``shared`` segments when its base trail was
+        keyed under ``ctx`` (the caller guarantees those segments are the base's), and
+        record this prompt's trail in it.
+        """
+        start = 0
+        nodes: list[_Node] | None = None
+        node: _Node | None = None
         out: list[RequestKey] = []
-        misses = 0
-        for serial, ids in segments:
-            if not ids:
-                continue
-            child = node.children.get(serial)
-            if child is None:
-                misses += 1
-                child = self._advance(ctx, node, ids)
-                node.children[serial] = child
+        if resume is not None:
+            base, resume.base = resume.base, None
+            nodes = []
+            if base is not None and base.ctx == ctx and 0 < resume.shared <= len(base.nodes):
+                start = resume.shared
+                nodes = base.nodes[:start]
+                node = nodes[-1]
+                out = base.keys[: node.n_blocks]
+        if node is None:
+            node = self._roots.get(ctx)
+            if node is None:
+                node = self._roots[ctx] = _Node(0, None, (), [])
                 self._count_node()
-            if child.keys:
-                out.extend(child.keys)
-            node = child
+        misses = 0
+        for serial, ids in segments[start:] if start else segments:
+            if ids:
+                child = node.children.get(serial)
+                if child is None:
+                    misses += 1
+                    child = self._advance(ctx, node, ids)
+                    node.children[serial] = child
+                    self._count_node()
+                if child.keys:
+                    out.extend(child.keys)
+                node = child
+            if nodes is not None:
+                nodes.append(node)
         self.misses += misses
+        if resume is not None and nodes is not None:
+            resume.trail = KeyTrail(ctx, nodes, out)
         return out
 
     def _count_node(self) -> None:
@@ -192,6 +247,8 @@ __all__ = [
     "DEFAULT_MAX_KEY_NODES",
     "MAX_CACHE_SALT_LENGTH",
     "KeyContext",
+    "KeyResume",
+    "KeyTrail",
     "Prompt",
     "PromptKeyer",
     "validate_cache_salt",
