@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router import indexer
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from router.config import RouterSettings
 
 _SERVE_EPILOG = """\
 configuration sources, lowest priority first: defaults, the YAML file (--config),
@@ -65,7 +71,6 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import gc
     import logging
 
     import uvicorn
@@ -95,7 +100,27 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    config = uvicorn.Config(
+    config = _uvicorn_config(app, settings)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}",
+              file=sys.stderr)
+        return 1
+    server = uvicorn.Server(config)
+    _tune_gc()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0 if server.started else 1
+
+
+def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
+    """The uvicorn configuration of ``kvroute serve`` (uvloop, httptools)."""
+    import uvicorn
+
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -112,25 +137,21 @@ def _serve(args: argparse.Namespace) -> int:
         server_header=False,
         date_header=False,
     )
-    try:
-        sock = bind_socket(settings.host, settings.port)
-    except OSError as exc:
-        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}",
-              file=sys.stderr)
-        return 1
-    server = uvicorn.Server(config)
-    # Everything imported so far lives as long as the process: move it out of the cyclic
-    # collector's reach, so full collections under load do not rescan it (CPU and p99).
+
+
+def _tune_gc() -> None:
+    """The cyclic collector's settings for a serving process (called once, before serving).
+
+    Everything imported so far lives as long as the process: ``gc.freeze()`` moves it out
+    of the collector's reach, so full collections under load do not rescan it (CPU and
+    p99).  A proxied request allocates a few hundred container objects and frees them all
+    (no cycles on the happy path), but 32-128 requests in flight keep the young
+    generation above the default 700 net allocations, so the collector ran about once
+    per request and rescanned the in-flight state (~5% of the router's CPU).  At
+    ``_GC_YOUNG`` it runs only when garbage really accumulates (a few MB at most).
+    """
+    import gc
+
     gc.collect()
     gc.freeze()
-    # A proxied request allocates a few hundred container objects and frees them all
-    # (no cycles on the happy path), but 32-128 requests in flight keep the young
-    # generation above the default 700 net allocations, so the collector ran about once
-    # per request and rescanned the in-flight state (~5% of the router's CPU).  At
-    # _GC_YOUNG it runs only when garbage really accumulates (a few MB at most).
     gc.set_threshold(_GC_YOUNG, *gc.get_threshold()[1:])
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1

@@ -4,6 +4,7 @@ under SIGTERM: in-flight streams finish within the grace period, or are cut at i
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -18,6 +19,9 @@ import orjson
 import pytest
 
 from kvroute.cli import main
+from router.app import create_app
+from router.cli import _GC_YOUNG, _tune_gc, _uvicorn_config
+from router.config import RouterSettings
 from tests.router.conftest import StartFakes
 from tests.router.helpers import chat, measure_ttfb
 from tests.router.server import free_port
@@ -71,6 +75,28 @@ def test_serve_rejects_bad_config_file(tmp_path: Path,
     assert main(["serve", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "health.interval_s" in err and str(cfg) in err
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_serve_uvicorn_config(access_log: bool) -> None:
+    """uvloop and httptools; X-Forwarded-* handling only when there is an access log."""
+    settings = RouterSettings.load(cli={"replicas": [{"url": "http://127.0.0.1:1"}],
+                                        "access_log": access_log})
+    config = _uvicorn_config(create_app(settings), settings)
+    assert (config.loop, config.http, config.lifespan) == ("uvloop", "httptools", "on")
+    assert config.proxy_headers is access_log and config.access_log is access_log
+    assert not config.server_header and not config.date_header
+
+
+def test_serve_gc_tuning() -> None:
+    before = gc.get_threshold()
+    try:
+        _tune_gc()
+        assert gc.get_threshold() == (_GC_YOUNG, *before[1:])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 @contextmanager
