@@ -12,10 +12,11 @@ content tokens (plus the template's own tokens).
 For each turn count N it measures ``RendererRegistry.render_chat`` (template, cached
 tokenisation, incremental block keys) on the prompt of turn N:
 
-* cold: every cache emptied first (the pieces' ids, the key trie);
+* cold: every cache emptied first (the remembered turns, the pieces' ids, the key
+  trie);
 * warm: turn N right after turn N-1 of the same conversation (caches as a router has
   them when the next turn of a conversation arrives), so only the new reply and user
-  message are tokenised and only their blocks hashed.
+  message are rendered, tokenised and hashed.
 
 * prewarmed: turn N when the router called ``prewarm_reply`` with turn N-1's reply
   after relaying it (the client's think time), so only the new user message is new.
@@ -24,9 +25,10 @@ Each figure is the median (and p90) of ``--reps`` runs, in CPU time of the measu
 thread (``time.thread_time``: all the work is on that thread) and in wall-clock time.
 On a shared machine the wall clock also counts time the process waited for a core, so
 CPU time is the cost figure; the JSON records the load average at start and end.
-Phases of the warm turn are timed separately (render = template to text; tokenise =
-split and cached encoding; hash = block keys).  It prints a table and writes JSON
-(``--json``).
+Phases of the warm turn are timed separately, as ``render_chat`` runs them (render =
+messages to text, ``ModelRenderer.chat_text``; tokenise = split and cached encoding,
+``tokenize_text``; hash = block keys, ``PromptKeyer.keys``).  It prints a table and
+writes JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def _stats(samples: Sequence[float]) -> dict[str, float]:
 
 def _reset(registry: RendererRegistry, target: Target) -> None:
     assert target.renderer is not None
+    target.renderer.turns.clear()
     target.renderer.encoder.clear()
     registry.keyer.clear()
 
@@ -180,11 +183,12 @@ def measure(
             _reset(registry, target)
             registry.render_chat(previous)
             t0 = time.thread_time()
-            text = renderer.chat_text(body).text
+            chat = renderer.chat_text(body)
             t1 = time.thread_time()
-            segments = renderer.encoder.segments(text)
+            tokenized = renderer.tokenize_text(chat)
             t2 = time.thread_time()
-            registry.keyer.keys(ctx, segments)
+            assert tokenized.segments is not None
+            registry.keyer.keys(ctx, tokenized.segments, resume=tokenized.key_resume)
             t3 = time.thread_time()
             samples["render"].append(t1 - t0)
             samples["tokenise"].append(t2 - t1)

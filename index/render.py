@@ -30,6 +30,14 @@ Chat (``/v1/chat/completions``), in vLLM's order:
    configures tokenizers of generative models, keeping the special tokens it adds; or
    a plain slice when the request gives ``truncation_side``).
 
+The next turn of a conversation redoes only what is new (``index.turns``): messages
+already built are taken from the remembered turn, the template's message loop renders
+only new messages (``index.message_loop``; templates it cannot prove message-local
+are rendered whole), the text is cut only past what it shares with the previous text
+(``SegmentEncoder.split``) and ``Tokenized.key_resume`` lets the keyer start where the
+previous prompt's shared segments left it.  Each shortcut is exact by construction,
+and the result equals rendering and encoding the whole request (property tests).
+
 Completions (``/v1/completions``): ``prompt`` is a string, a list of ids, a list of
 strings or a list of id lists; each becomes one :class:`Tokenized`.  ``prompt_embeds``
 and ``suffix`` raise ``RenderUnsupported``.
@@ -49,10 +57,13 @@ from typing import Any, Literal
 import jinja2
 
 from index.chat_messages import Message, build_conversation, convert_developer_role
+from index.message_loop import LoopFallback, LoopRecord, message_loops
+from index.prompt import KeyResume
 from index.render_errors import InvalidPrompt, RenderUnsupported, TemplateRejected
 from index.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder
 from index.template_env import compile_template, detect_content_format, template_variables
 from index.tokenizer import TokenizerFiles
+from index.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
 
 ContentFormatOption = Literal["auto", "string", "openai"]
 
@@ -109,6 +120,9 @@ class Tokenized:
 
     token_ids: list[int]
     segments: list[Segment] | None
+    key_resume: KeyResume | None = None
+    """For ``PromptKeyer.keys``: the previous turn's key trail and the segments this
+    prompt shares with it (``None`` when there is no turn to record)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +133,10 @@ class ChatText:
     add_special_tokens: bool
     truncate_prompt_tokens: int | None
     truncation_side: Literal["left", "right"] | None
+    turn: Turn | None = None
+    """This request as the conversation's next turn will reuse it (``index.turns``)."""
+    base: Turn | None = None
+    """The remembered turn this one extends."""
 
 
 def merge_kwargs(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -179,10 +197,12 @@ class ModelRenderer:
         options: RenderOptions | None = None,
         *,
         max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
+        max_turn_bytes: int = DEFAULT_MAX_TURN_BYTES,
     ) -> None:
         self.files = files
         self.options = options or RenderOptions()
         self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens)
+        self.turns = TurnMemo(max_bytes=max_turn_bytes)
 
     # -- chat ---------------------------------------------------------------------------
 
@@ -227,12 +247,14 @@ class ModelRenderer:
         kwargs = merge_kwargs(server, merge_kwargs(user_kwargs, extra))
         template_name = request_template if request_template is not None else opts.chat_template
         kwargs = merge_kwargs(kwargs, {"chat_template": template_name})
-        text = self.apply_chat_template(body.get("messages"), kwargs)
+        text, turn, base = self._apply(body.get("messages"), kwargs)
         return ChatText(
             text=text,
             add_special_tokens=_flag(body, "add_special_tokens", False),
             truncate_prompt_tokens=_truncation(body),
             truncation_side=_side(body),
+            turn=turn,
+            base=base,
         )
 
     def apply_chat_template(self, messages: object, kwargs: Mapping[str, Any]) -> str:
@@ -241,6 +263,11 @@ class ModelRenderer:
         ``kwargs`` holds ``tools``, ``chat_template`` and everything else vLLM would pass
         (``add_generation_prompt``, ``documents``, template variables ...).
         """
+        return self._apply(messages, kwargs)[0]
+
+    def _apply(
+        self, messages: object, kwargs: Mapping[str, Any]
+    ) -> tuple[str, Turn | None, Turn | None]:
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None)
         requested = kwargs.pop("chat_template", None)
@@ -251,14 +278,26 @@ class ModelRenderer:
             raise TemplateRejected(str(exc)) from exc
         fmt = self.options.content_format
         content_format = detect_content_format(source) if fmt == "auto" else fmt
-        conversation = build_conversation(messages, content_format)
+        started = self.turns.begin(messages, content_format)
+        turn, base = started if started is not None else (None, None)
+        if turn is not None:
+            conversation = list(turn.conversation)  # the turn's own list stays as built
+        else:
+            conversation = build_conversation(messages, content_format)
         if any(m["role"] == "developer" for m in conversation) and not (
             '"developer"' in source or "'developer'" in source
         ):
             conversation = convert_developer_role(conversation)
         accepted = template_variables(source) | _HF_CHAT_PARAMS
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        return self._render(source, conversation, tools, kwargs)
+        text, loops = self._render(
+            source, conversation, tools, kwargs, base.loops if base is not None else ()
+        )
+        if turn is not None:
+            turn.loops = loops
+            turn.text = text
+            self.turns.remember(turn, base)
+        return text, turn, base
 
     def _render(
         self,
@@ -266,7 +305,8 @@ class ModelRenderer:
         conversation: list[Message],
         tools: object,
         kwargs: dict[str, Any],
-    ) -> str:
+        base_loops: Sequence[LoopRecord] = (),
+    ) -> tuple[str, list[LoopRecord]]:
         if "self" in kwargs or "conversation" in kwargs:
             raise TemplateRejected("chat_template_kwargs may not set 'self' or 'conversation'")
         if not conversation:
@@ -301,22 +341,46 @@ class ModelRenderer:
             documents=documents,
             add_generation_prompt=add_generation_prompt,
         )
+        loops: list[LoopRecord] = []
         try:
-            text = compile_template(source).render(**context)
+            try:
+                text, loops = message_loops(source).render(context, base_loops)
+            except LoopFallback:
+                text = compile_template(source).render(**context)
         except jinja2.TemplateError as exc:
             raise TemplateRejected(str(exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise TemplateRejected(f"chat template failed: {exc}") from exc
         if final_text is not None:
             text = _cut_after_final(text, final_text)
-        return text
+        return text, loops
 
     def tokenize_chat(self, body: Mapping[str, Any]) -> Tokenized:
         """Render and tokenise a chat body."""
-        chat = self.chat_text(body)
-        return self._tokenize(
-            chat.text, chat.add_special_tokens, chat.truncate_prompt_tokens, chat.truncation_side
-        )
+        return self.tokenize_text(self.chat_text(body))
+
+    def tokenize_text(self, chat: ChatText) -> Tokenized:
+        """Tokenise a rendered chat prompt (resuming its base turn's split)."""
+        turn = chat.turn
+        if turn is None or chat.add_special_tokens:
+            return self._tokenize(
+                chat.text,
+                chat.add_special_tokens,
+                chat.truncate_prompt_tokens,
+                chat.truncation_side,
+            )
+        base = chat.base
+        split = self.encoder.split(chat.text, base.split if base is not None else None)
+        turn.split = split
+        ids: list[int] = []
+        for _, piece in split.segments:
+            ids.extend(piece)
+        if chat.truncate_prompt_tokens is None:
+            trail = base.keys.trail if base is not None and base.keys is not None else None
+            turn.keys = KeyResume(trail, split.shared)
+            return Tokenized(ids, split.segments, turn.keys)
+        cut = self._truncate(ids, 0, 0, chat.truncate_prompt_tokens, chat.truncation_side)
+        return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)
 
     # -- completions --------------------------------------------------------------------
 
@@ -397,6 +461,8 @@ class ModelRenderer:
 
 
 def _tag_final_message(conversation: list[Message], field_name: str, source: str) -> str:
+    # The marker goes on a copy: the built message may be shared with remembered turns.
+    conversation[-1] = copy.deepcopy(conversation[-1])
     final = conversation[-1].get(field_name)
     if final is None:
         raise TemplateRejected(

@@ -12,7 +12,9 @@ Either way the registry knows:
   block 0.
 
 ``render_chat(body)`` / ``render_completion(body)`` are synchronous and local: they raise
-``RenderUnsupported`` when local rendering is impossible or would not be exact.
+``RenderUnsupported`` when local rendering is impossible or would not be exact.  The
+next turn of a conversation reuses what the previous one computed (``index.turns``,
+one memo per model; the block keys resume through ``Tokenized.key_resume``).
 ``chat(body, replica_url=...)`` / ``completion(...)`` are the async front doors: local
 when possible, else the ``RemoteRenderer`` given at construction (counted as a
 fallback there).  ``cache_salt`` is validated first in every path (``InvalidCacheSalt``).
@@ -34,6 +36,7 @@ from index.render import ContentFormatOption, ModelRenderer, RenderOptions, Toke
 from index.render_errors import InvalidPrompt, ModelNotServed, RenderError, RenderUnsupported
 from index.segments import DEFAULT_MAX_CACHED_TOKENS
 from index.tokenizer import load_tokenizer_files, read_chat_template
+from index.turns import DEFAULT_MAX_TURN_BYTES
 
 if TYPE_CHECKING:
     from index.remote_render import RemoteRenderer
@@ -117,10 +120,12 @@ class RendererRegistry:
         hf_cache_dir: str | Path | None = None,
         max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
         max_key_nodes: int = DEFAULT_MAX_KEY_NODES,
+        max_turn_bytes: int = DEFAULT_MAX_TURN_BYTES,
         remote: RemoteRenderer | None = None,
     ) -> None:
         self._hf_cache_dir = hf_cache_dir
         self._max_cached_tokens = max_cached_tokens
+        self._max_turn_bytes = max_turn_bytes
         self._targets: dict[str, Target] = {}
         self.keyer = PromptKeyer(max_nodes=max_key_nodes)
         self.remote = remote
@@ -141,7 +146,10 @@ class RendererRegistry:
                 spec.tokenizer, cache_dir=self._hf_cache_dir, revision=spec.revision
             )
             renderer = ModelRenderer(
-                files, spec.render_options(), max_cached_tokens=self._max_cached_tokens
+                files,
+                spec.render_options(),
+                max_cached_tokens=self._max_cached_tokens,
+                max_turn_bytes=self._max_turn_bytes,
             )
         target = Target(spec=spec, lora_name=None, renderer=renderer)
         self._targets[spec.name] = target
@@ -240,7 +248,7 @@ class RendererRegistry:
     ) -> Prompt:
         ctx = target.key_context(salt)
         if tok.segments is not None:
-            keys = self.keyer.keys(ctx, tok.segments)
+            keys = self.keyer.keys(ctx, tok.segments, resume=tok.key_resume)
         else:
             keys = block_keys(
                 tok.token_ids,

@@ -237,3 +237,25 @@ def test_completion_default_adds_special_tokens(
     assert tok.token_ids == hf_tokenizer(variant)("abc def")["input_ids"]
     if variant == "llama3":
         assert tok.token_ids[0] == hf_tokenizer(variant).bos_token_id
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", ["multi_turn", "tools", "parts"])
+def test_turn_after_turn_matches_transformers(
+    variant: str, case: str, tiny_dirs: dict[str, Path], hf_tokenizer: Callable[[str], Any]
+) -> None:
+    """Each prefix of a conversation, sent as a new request after the previous one (so
+    each reuses the turn before it), renders as transformers renders it whole."""
+    renderer = ModelRenderer(load_tokenizer_files(tiny_dirs[variant]))
+    hf = hf_tokenizer(variant)
+    full = CASES[case]
+    for n in range(1, len(full["messages"]) + 1):
+        body = copy.deepcopy({"model": "m", **full, "messages": full["messages"][:n]})
+        common: dict[str, Any] = {
+            "tools": DUMPED_TOOLS if "tools" in body else None,
+            "add_generation_prompt": True,
+        }
+        ref = hf.apply_chat_template(
+            _reference_conversation(body), tokenize=True, return_dict=False, **common
+        )
+        assert renderer.tokenize_chat(body).token_ids == ref
