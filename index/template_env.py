@@ -22,7 +22,10 @@ Two questions vLLM answers by reading the template's AST, reproduced here rule f
   ``chat_template_kwargs`` reach the template (``resolve_chat_template_kwargs``).
 
 Compiled templates and both answers are cached by template source (bounded).
-This module does not touch messages or tokens.
+``message_list_names``, ``iterates_over`` and ``is_generation_block`` expose the same
+AST rules (which variables alias ``messages``, which loops run over them, the
+generation tag) to ``index.message_loop``.  This module does not touch messages or
+tokens.
 """
 
 from __future__ import annotations
