@@ -50,8 +50,10 @@ from index.prompt import KeyResume
 from index.segments import TextSplit
 from index.template_env import ContentFormat
 
-LOOKBACK = 4
-"""How many messages shorter than the request a remembered turn may be."""
+LOOKBACK = 8
+"""How many messages shorter than the request a remembered turn may be: a reply and a
+question, or an assistant turn with several tool calls and their results.  Each miss
+costs one message key (a frozenset or a short pickle)."""
 
 DEFAULT_MAX_TURN_BYTES = 64_000_000
 """A 10-turn, 6k-token conversation counts some 50 kB (its rendered text and the loop's
