@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import aiohttp
 
+from router.proxy import _WATCH_AFTER_S, _watch
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, inflight, scrape
 
@@ -57,3 +59,38 @@ async def test_disconnect_before_first_byte_cancels_upstream(
         assert seen.cancelled and seen.ended is not None and seen.ended - t_close < 1.0
         await asyncio.sleep(0.05)
         assert await inflight(client, url) == 0
+
+
+async def test_only_long_requests_get_a_watcher_task(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    """Answers that take 100 ms (what a loaded router sees at 128 requests in flight) get
+    no watcher task; a request still running after ``_WATCH_AFTER_S`` gets exactly one."""
+    (fake,) = await fakes(1)
+    url = await start_router([fake])
+    loop = asyncio.get_running_loop()
+    watchers = 0
+    previous = loop.get_task_factory()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        nonlocal watchers
+        if getattr(coro, "__qualname__", "") == _watch.__qualname__:
+            watchers += 1
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def ask(stream: bool) -> None:
+        async with client.post(url + "/v1/chat/completions", json=chat(stream=stream)) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    loop.set_task_factory(factory)
+    try:
+        fake.behaviour.headers_delay_s = 0.1
+        await asyncio.gather(*(ask(stream=i % 2 == 0) for i in range(8)))
+        assert watchers == 0
+        fake.behaviour.headers_delay_s = _WATCH_AFTER_S + 0.2
+        await ask(stream=True)
+        assert watchers == 1
+    finally:
+        loop.set_task_factory(previous)
+    assert await inflight(client, url) == 0
