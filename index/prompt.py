@@ -67,7 +67,8 @@ def validate_cache_salt(cache_salt: object) -> str | None:
 class Prompt:
     """One prompt, tokenised and keyed exactly as the engine will see it.
 
-    ``token_ids`` and ``block_keys`` are lists for speed; treat them as read-only.
+    ``token_ids`` and ``block_keys`` are lists for speed; treat them as read-only (the
+    renderer keeps them to build the conversation's next turn from).
     """
 
     token_ids: list[int]

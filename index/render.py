@@ -372,9 +372,8 @@ class ModelRenderer:
         base = chat.base
         split = self.encoder.split(chat.text, base.split if base is not None else None)
         turn.split = split
-        ids: list[int] = []
-        for _, piece in split.segments:
-            ids.extend(piece)
+        self.turns.recount(turn)
+        ids = split.ids  # shared with the turn: read-only, as ``Prompt.token_ids`` is
         if chat.truncate_prompt_tokens is None:
             trail = base.keys.trail if base is not None and base.keys is not None else None
             turn.keys = KeyResume(trail, split.shared)

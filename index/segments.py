@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -66,9 +67,10 @@ Segment = tuple[int, Sequence[int]]
 """``(serial, token ids)`` of one piece of a prompt."""
 
 DEFAULT_MAX_CACHED_TOKENS = 2_000_000
-"""Token ids kept in the piece cache.  A cached id costs about 36 bytes (a boxed int
-plus a pointer), so the default is about 72 MB per model: a few hundred concurrent
-10-turn conversations of 6k tokens, the working set a router sees between turns."""
+"""Token ids kept in the piece cache.  A cached id costs about 12 bytes (a pointer to
+the vocabulary's shared int and some 4 characters of piece text), so the default is
+about 24 MB per model: a few hundred concurrent 10-turn conversations of 6k tokens, the
+working set a router sees between turns."""
 
 _SAFE_PRE_TOKENIZERS = frozenset(
     {
@@ -104,13 +106,16 @@ class TextSplit:
     """A text cut into segments, and the cuts a longer text sharing its start may keep.
 
     ``offsets[i]`` is where the ``i``-th added token matched on the raw text ends
-    (ascending) and ``counts[i]`` the number of segments up to there.
+    (ascending), ``counts[i]`` the number of segments and ``tokens[i]`` the number of
+    token ids up to there.  ``ids`` are the segments' ids concatenated (read-only).
     """
 
     text: str
     segments: list[Segment]
-    offsets: list[int]
-    counts: list[int]
+    ids: list[int]
+    offsets: array[int]
+    counts: array[int]
+    tokens: array[int]
     shared: int = 0
     """Leading segments taken over from the split this one resumed."""
 
@@ -130,7 +135,13 @@ class SegmentEncoder:
         self._serials = itertools.count(1)
         self.stats = SegmentStats()
         added = tokenizer.get_added_tokens_decoder()
-        self._added_ids: dict[str, int] = {tok.content: i for i, tok in added.items()}
+        # One int object per vocabulary id, shared by every cached piece: ids lists
+        # then point into a small, hot set of objects (building a prompt's id list
+        # touches each one) instead of one object per cached token.
+        self._ints = list(range(max(tokenizer.get_vocab_size(with_added_tokens=True), 1)))
+        self._added_ids: dict[str, int] = {
+            tok.content: self._ints[i] if i < len(self._ints) else i for i, tok in added.items()
+        }
         self._longest_added = max((len(t) for t in self._added_ids), default=0)
         self._raw_split, self._norm_split, reason = _build_splitters(tokenizer, added)
         self.splittable = reason is None
@@ -154,21 +165,35 @@ class SegmentEncoder:
     def split(self, text: str, previous: TextSplit | None = None) -> TextSplit:
         """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
         if not self.splittable or self._raw_split is None:
-            return TextSplit(text, self._pieces(text), [], [])
-        start = shared = 0
+            pieces = self._pieces(text)
+            ids = [i for _, piece in pieces for i in piece]
+            return TextSplit(text, pieces, ids, array("q"), array("q"), array("q"))
+        start = shared = kept = 0
         segments: list[Segment] = []
-        offsets: list[int] = []
-        counts: list[int] = []
+        ids = []
+        offsets: array[int] = array("q")
+        counts: array[int] = array("q")
+        tokens: array[int] = array("q")
         if previous is not None and previous.offsets:
             limit = _common_prefix_length(text, previous.text) - self._longest_added + 1
-            i = bisect_right(previous.offsets, limit)
-            if i:
-                start, shared = previous.offsets[i - 1], previous.counts[i - 1]
+            kept = bisect_right(previous.offsets, limit)
+            if kept:
+                start, shared = previous.offsets[kept - 1], previous.counts[kept - 1]
                 segments = previous.segments[:shared]
-                offsets, counts = previous.offsets[:i], previous.counts[:i]
+                ids = previous.ids[: previous.tokens[kept - 1]]
+                offsets, counts = previous.offsets[:kept], previous.counts[:kept]
+                tokens = previous.tokens[:kept]
                 self.stats.reused += shared
         self._cut(text[start:] if start else text, segments, start, offsets, counts)
-        return TextSplit(text, segments, offsets, counts, shared)
+        # The ids of the segments cut just now, and the token counts at their cuts.
+        cut = kept
+        for n, (_, piece) in enumerate(segments[shared:], shared + 1):
+            ids.extend(piece)
+            if cut < len(counts) and counts[cut] == n:
+                tokens.append(len(ids))
+                cut += 1
+        assert len(tokens) == len(offsets)
+        return TextSplit(text, segments, ids, offsets, counts, tokens, shared)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``, equal to ``tokenizer.encode(text, ...).ids``."""
@@ -205,8 +230,8 @@ class SegmentEncoder:
         text: str,
         out: list[Segment],
         at: int,
-        offsets: list[int] | None,
-        counts: list[int] | None,
+        offsets: array[int] | None,
+        counts: array[int] | None,
     ) -> None:
         """Append ``text``'s segments to ``out``; with ``offsets``/``counts``, also the
         end of each added token matched on the raw text (``text`` starting at ``at``)."""
@@ -259,6 +284,10 @@ class SegmentEncoder:
     def _store(self, key: str, ids: list[int]) -> Segment:
         self.stats.misses += 1
         self.stats.tokens_encoded += len(ids)
+        try:
+            ids = list(map(self._ints.__getitem__, ids))  # ids are never negative
+        except IndexError:
+            pass  # an id past the vocabulary: keep the tokenizer's own ints
         seg: Segment = (next(self._serials), ids)
         if len(ids) > self._max_tokens:
             return seg

@@ -28,10 +28,10 @@ the texts, the keys by the shared pieces under the same key context.  A base tha
 little costs time, never correctness.
 
 Memory is bounded: ``max_bytes`` counts the characters of the texts a turn holds, its
-raw bytes and a fixed cost per message (the messages' own strings are shared with the
-request's conversation and are not counted twice); the least recently rendered turns
-go first.  A turn replaces its base (the conversation has moved on).  Not thread-safe:
-one per renderer, on one event loop.
+raw bytes, 8 bytes per token id of its split and a fixed cost per message (the
+messages' own strings are shared with the request's conversation and are not counted
+twice); the least recently rendered turns go first.  A turn replaces its base (the
+conversation has moved on).  Not thread-safe: one per renderer, on one event loop.
 """
 
 from __future__ import annotations
@@ -56,11 +56,14 @@ question, or an assistant turn with several tool calls and their results.  Each 
 costs one message key (a frozenset or a short pickle)."""
 
 DEFAULT_MAX_TURN_BYTES = 64_000_000
-"""A 10-turn, 6k-token conversation counts some 50 kB (its rendered text and the loop's
-text): about 1,300 such conversations between turns."""
+"""A 10-turn, 6k-token conversation counts some 100 kB (its rendered text, the loop's
+text, its split's ids): about 600 such conversations between turns."""
 
 _MESSAGE_COST = 200
 """What a remembered message counts (its snapshot dict, its built dict, a record slot)."""
+
+_ID_COST = 8
+"""What a token id of a remembered split counts (a pointer to a shared int)."""
 
 _Key = tuple[int, Hashable, Hashable]
 
@@ -96,6 +99,7 @@ class Turn:
             + len(self.text)
             + sum(len(r.text) for r in self.loops)
             + _MESSAGE_COST * len(self.conversation)
+            + (_ID_COST * len(self.split.ids) if self.split is not None else 0)
         )
 
     def same_messages(self, messages: list[Any], text_only: bool) -> bool:
@@ -191,6 +195,18 @@ class TurnMemo:
         self._turns[turn.key] = turn
         self._bytes += size
         while self._bytes > self._max_bytes:
+            _, old = self._turns.popitem(last=False)
+            self._bytes -= old.counted
+            self.stats.evictions += 1
+
+    def recount(self, turn: Turn) -> None:
+        """Count ``turn`` again after a stage attached more to it (its split)."""
+        if self._turns.get(turn.key) is not turn:
+            return
+        size = turn.size()
+        self._bytes += size - turn.counted
+        turn.counted = size
+        while self._bytes > self._max_bytes and self._turns:
             _, old = self._turns.popitem(last=False)
             self._bytes -= old.counted
             self.stats.evictions += 1

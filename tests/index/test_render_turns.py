@@ -337,6 +337,11 @@ def test_resumed_split_equals_fresh_split(
     assert ids == enc.encode_uncached(shared + second)
     assert [list(p) for _, p in resumed.segments] == [list(p) for _, p in fresh.segments]
     assert resumed.offsets == fresh.offsets and resumed.counts == fresh.counts
+    assert resumed.ids == ids == fresh.ids and resumed.tokens == fresh.tokens
+    assert all(
+        sum(len(p) for _, p in fresh.segments[:count]) == tokens
+        for count, tokens in zip(fresh.counts, fresh.tokens, strict=True)
+    )
     assert resumed.segments[: resumed.shared] == previous.segments[: resumed.shared]
 
 
