@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -45,12 +46,12 @@ import zmq.asyncio
 from redis.exceptions import RedisError
 
 from index._tasks import reraise_if_cancelling
+from index.backoff import Backoff
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
 from index.status import SourceStatus, status_from_json, status_to_json
 from index.store import KVIndex
 from index.subscriber import (
-    Backoff,
     BindSubscriber,
     ConnectSubscriber,
     EventSource,
@@ -124,7 +125,7 @@ class KVEventIngestion:
         self._obs = observer
         self._lease = lease
         self._discovery_timeout = discovery_timeout_s
-        self._backoff = Backoff(1.0, discovery_retry_cap_s)
+        self._backoff = Backoff(1.0, discovery_retry_cap_s, rng=random.Random())
         self._ctx = context
         self._local: dict[ReplicaId, SourceStatus] = {}
         self._remote: dict[ReplicaId, SourceStatus] = {}

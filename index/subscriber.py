@@ -62,6 +62,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from index._tasks import reraise_if_cancelling
+from index.backoff import Backoff
 from index.events import UndecodableBatch, decode_batch
 from index.ingest import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.status import SourceState, SourceStatus
@@ -69,7 +70,6 @@ from index.store import IndexUnavailable, KVIndex
 from index.types import ReplicaId
 
 __all__ = [
-    "Backoff",
     "BindSubscriber",
     "ConnectSubscriber",
     "EventSource",
@@ -123,21 +123,6 @@ class SubscriberSettings:
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0
-
-
-class Backoff:
-    """Exponential backoff with full jitter: ``compute(failures)`` seconds to wait."""
-
-    def __init__(self, base: float, cap: float, rng: random.Random | None = None) -> None:
-        self._base, self._cap = base, cap
-        self._rng = rng or random.Random()
-
-    def compute(self, failures: int) -> float:
-        """Wait before the next attempt after ``failures`` consecutive failures (>= 1)."""
-        if failures <= 0:
-            return 0.0
-        ceiling = min(self._cap, self._base * 2 ** min(failures - 1, 30))
-        return self._rng.uniform(ceiling / 2, ceiling)
 
 
 class IngestObserver(Protocol):
@@ -522,7 +507,8 @@ class ConnectSubscriber:
         self.runner = SourceRunner(
             source, index, ctx, settings=self._s, observer=observer, on_status=on_status
         )
-        self._backoff = backoff or Backoff(self._s.backoff_base_s, self._s.backoff_cap_s)
+        self._backoff = backoff or Backoff(self._s.backoff_base_s, self._s.backoff_cap_s,
+                                           rng=random.Random())
 
     @property
     def status(self) -> SourceStatus:
@@ -613,7 +599,8 @@ class BindSubscriber:
             self.add_source(topic, src)
         self.unmapped = 0
         """Messages whose topic maps to no source."""
-        self._backoff = backoff or Backoff(self._s.backoff_base_s, self._s.backoff_cap_s)
+        self._backoff = backoff or Backoff(self._s.backoff_base_s, self._s.backoff_cap_s,
+                                           rng=random.Random())
         self.ready = asyncio.Event()
         """Set once the SUB socket is bound."""
 

@@ -11,8 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from index.backoff import Backoff
     from router.app import State, create_app
-    from router.backoff import Backoff
     from router.config import ConfigError, RouterSettings
     from router.load import LoadTracker, ReplicaLoad
     from router.plugins import PolicyContext, PolicyFactory, PolicyRegistry, Service
@@ -41,7 +41,7 @@ __all__ = [
 
 _WHERE = {
     "State": "router.app", "create_app": "router.app",
-    "Backoff": "router.backoff",
+    "Backoff": "index.backoff",
     "ConfigError": "router.config", "RouterSettings": "router.config",
     "LoadTracker": "router.load", "ReplicaLoad": "router.load",
     "PolicyContext": "router.plugins", "PolicyFactory": "router.plugins",

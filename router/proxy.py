@@ -43,8 +43,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from index.backoff import Backoff
 from index.types import ReplicaId
-from router.backoff import Backoff
 from router.config import RouterSettings
 from router.errors import (
     NoHealthyReplica,

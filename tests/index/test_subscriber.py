@@ -12,13 +12,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from index.backoff import Backoff
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from index.ingest import BatchResult
 from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.store import IndexOp, IndexUnavailable
 from index.subscriber import (
-    Backoff,
     ConnectSubscriber,
     EventSource,
     SubscriberSettings,
@@ -318,7 +318,7 @@ async def test_fetch_replay_times_out_on_a_silent_peer() -> None:
 
 
 def test_backoff_grows_and_is_capped() -> None:
-    b = Backoff(0.1, 1.0, random.Random(0))
+    b = Backoff(0.1, 1.0, rng=random.Random(0))
     assert b.compute(0) == 0.0
     waits = [b.compute(n) for n in range(1, 10)]
     assert all(0.05 <= w <= 1.0 for w in waits)

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from index.backoff import Backoff
 from index.types import ReplicaId
-from router.backoff import Backoff
 from router.load import LoadTracker, ReplicaLoad
 from router.policies import LeastLoaded, RandomPolicy, RoundRobin
 from router.policy import RouteRequest

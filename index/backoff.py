@@ -1,9 +1,11 @@
-"""How long to wait before the next upstream attempt, and whether an attempt is left.
+"""How long to wait before the next attempt, and whether an attempt is left.
 
 ``Backoff.compute(failures)`` is pure: exponential from ``base_s`` doubling per failure,
 capped at ``cap_s``, with optional "equal jitter" whose randomness is injected (a
-``random.Random``), so tests are deterministic.  Retries happen only in the proxy, before
-the first byte, never inside the transport.
+``random.Random``), so tests are deterministic.  One class for every retry loop: the
+proxy's failover (before the first byte, never inside the transport; the defaults are
+its own), and the KV event subscribers' reconnects and discovery retries (with jitter,
+so a fleet of routers does not reconnect in step).
 """
 
 from __future__ import annotations
