@@ -59,6 +59,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -284,8 +285,11 @@ class SegmentEncoder:
     def _store(self, key: str, ids: list[int]) -> Segment:
         self.stats.misses += 1
         self.stats.tokens_encoded += len(ids)
-        try:
-            ids = list(map(self._ints.__getitem__, ids))  # ids are never negative
+        try:  # ids are never negative
+            if len(ids) > 1:
+                ids = list(itemgetter(*ids)(self._ints))
+            elif ids:
+                ids = [self._ints[ids[0]]]
         except IndexError:
             pass  # an id past the vocabulary: keep the tokenizer's own ints
         seg: Segment = (next(self._serials), ids)
