@@ -290,15 +290,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--turns", default="5,10,20,30,40")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=Path("render_bench.json"))
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    # Tokenise on this thread, as kvroute's own processes do (kvroute/cli.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     turn_counts = [int(t) for t in args.turns.split(",") if t]
     with tempfile.TemporaryDirectory(prefix="render-bench-") as tmp:
         tokenizer = args.tokenizer or build_default_tokenizer(Path(tmp) / "tok")
         result = run(tokenizer, args.block_size, turn_counts, args.reps, args.seed)
     print(format_table(result))
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

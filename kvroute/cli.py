@@ -9,6 +9,7 @@ check-prompts, probe-horizon).  Handlers import their heavy dependencies lazily 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvroute`` script."""
+    # kvroute tokenises on the event loop's thread, a piece or two per request: the
+    # tokenizers library must not hand that work to its thread pool (a wake-up per call,
+    # and a warning in every process forked after it).  An explicit setting wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
     code: int = args.func(args)

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+# As kvroute's command line does (kvroute/cli.py): tokenise on the calling thread.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 
 def _redis_server_binary() -> str:
     found = shutil.which("redis-server")
