@@ -76,9 +76,18 @@ async def test_tiny_demo_end_to_end(tmp_path: Path, llama3_dir: Path) -> None:
     assert rr.requests == kv.requests == 12 and rr.errors == kv.errors == 0, text
     assert kv.ttft_source == "simulated" and kv.ttft_p50 is not None
     assert result.oracle is not None and result.oracle.oracle_saved > 0
-    # the same prompts go through both policies; the KV-aware one keeps conversations
+    # The same prompts go through both policies; the KV-aware one keeps conversations on
+    # their replica, except where a burst of arrivals made the load outweigh the better
+    # hit (``kv_load``: the escape hatch, whose timing the demo's arrivals decide).
     assert rr.prompt_tokens == kv.prompt_tokens
-    assert kv.cached_share >= rr.cached_share and kv.stay_share == 1.0, text
+    assert kv.stay_share is not None and rr.stay_share is not None
+    assert kv.cached_share >= rr.cached_share and kv.stay_share >= rr.stay_share, text
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    last: dict[str, str] = {}
+    for row in sorted((r for r in rows if r["target"] == "kv"), key=lambda r: r["sent_s"]):
+        moved = row["session"] in last and row["replica"] != last[row["session"]]
+        assert not moved or row["reason"] == "kv_load", (row, text)
+        last[row["session"]] = row["replica"]
     doc = json.loads((out / "summary.json").read_text())
     assert {r["name"] for r in doc["runs"]} == {"round_robin", "kv"}
     for name in ("ttft-distribution.png", "ttft-by-turn.png", "results.jsonl", "trace.jsonl"):
