@@ -6,8 +6,8 @@
   (a locally trained BPE; Llama-3-style or ChatML-style template);
 * ``config.json``: ``LlamaForCausalLM`` with 2 layers, hidden size 128, 4 attention heads
   of 32 (2 KV heads, grouped-query attention), ``vocab_size`` equal to the tokenizer's,
-  ``max_position_embeddings`` 4096, ``torch_dtype`` float32 (vLLM's CPU build runs float32
-  natively; numpy cannot write bfloat16);
+  ``max_position_embeddings`` 4096, ``torch_dtype`` float32 (numpy cannot write bfloat16;
+  ``replica.vllm_launcher`` starts the CPU build with ``--dtype float32``);
 * ``generation_config.json``;
 * ``model.safetensors``: random weights written with numpy only.
 

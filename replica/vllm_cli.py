@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                      help="CPU build settings (default: when no GPU is found)")
     cpu.add_argument("--gpu", dest="cpu", action="store_false")
     v.add_argument("--cpu-kvcache-gib", type=int, default=1)
+    v.add_argument("--dtype", default=None,
+                   help="vLLM's --dtype (default: float32 on the CPU build, else vLLM's choice)")
     v.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1")
     v.add_argument("--python", default=None, help="interpreter with vLLM installed")
     v.add_argument("--dry-run", action="store_true", help="print, do not start")
@@ -102,6 +104,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         max_model_len=args.max_model_len,
         cpu=(not _has_gpu()) if args.cpu is None else args.cpu,
         cpu_kvcache_gib=args.cpu_kvcache_gib,
+        dtype=args.dtype,
         dev_mode=args.dev_mode,
         python=args.python or default_vllm_python(),
         extra_args=tuple(extra),

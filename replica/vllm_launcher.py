@@ -21,8 +21,13 @@ always bound.  ``replica_entry`` turns a spec into the router's replica entry (`
 host the router should dial.
 
 On a machine without a GPU, ``cpu=True`` adds what the CPU build needs:
-``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and ``--enforce-eager`` (no inductor
-compilation: a tiny model starts in well under a minute on 2 cores instead of several).
+``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``--enforce-eager`` (no inductor
+compilation: a tiny model starts in well under a minute on 2 cores instead of several)
+and ``--dtype float32`` unless ``dtype`` says otherwise.  Left to choose, vLLM 0.32's CPU
+build runs a float32 checkpoint in bfloat16 wherever the CPU advertises bfloat16, and
+its AMX attention kernel then dies with an illegal instruction on hosts that advertise
+AMX without enabling it for the process (seen on a 2-core VM: the engine core exits on
+the first forward pass).
 vLLM is started as ``<python> -m vllm.entrypoints.openai.api_server`` because the
 ``vllm`` console script of the CPU wheel fails to start here.
 
@@ -78,6 +83,9 @@ class VllmReplicaSpec:
     cpu: bool = False
     """Add the CPU build's environment and ``--enforce-eager``."""
     cpu_kvcache_gib: int = DEFAULT_CPU_KVCACHE_GIB
+    dtype: str | None = None
+    """``--dtype``; ``None`` means ``float32`` with ``cpu`` (module docstring) and vLLM's
+    own choice otherwise."""
     cpu_threads: int | None = None
     """CPU build on a small machine: run the model on this many OpenMP threads without
     pinning them to cores (``VLLM_CPU_OMP_THREADS_BIND=nobind``), so several replicas can
@@ -153,6 +161,9 @@ def build_command(spec: VllmReplicaSpec) -> list[str]:
         cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks)]
     if spec.max_model_len is not None:
         cmd += ["--max-model-len", str(spec.max_model_len)]
+    dtype = spec.dtype if spec.dtype is not None else ("float32" if spec.cpu else None)
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
     if spec.cpu:
         cmd.append("--enforce-eager")
     cmd += list(spec.extra_args)

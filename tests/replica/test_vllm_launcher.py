@@ -42,7 +42,7 @@ def test_command_has_every_flag_kvroute_relies_on() -> None:
         "replay_endpoint": "tcp://*:5558",
         "topic": "kv@r1@llama",
     }
-    for absent in ("--num-gpu-blocks-override", "--max-model-len", "--enforce-eager"):
+    for absent in ("--num-gpu-blocks-override", "--max-model-len", "--enforce-eager", "--dtype"):
         assert absent not in cmd
 
 
@@ -54,7 +54,10 @@ def test_optional_flags_and_extra_args_come_last() -> None:
     assert _flag(cmd, "--num-gpu-blocks-override") == "65"
     assert _flag(cmd, "--max-model-len") == "2048"
     assert "--enforce-eager" in cmd
+    assert _flag(cmd, "--dtype") == "float32"  # the CPU build's default here
     assert cmd[-2:] == ["--max-num-seqs", "4"]
+    gpu_bf16 = VllmReplicaSpec(model="m", served_model_name="s", port=1, dtype="bfloat16")
+    assert _flag(build_command(gpu_bf16), "--dtype") == "bfloat16"
     cfg = json.loads(_flag(cmd, "--kv-events-config"))
     assert "replay_endpoint" not in cfg and cfg["topic"] == "t"
     assert kv_events_config(spec) == cfg
@@ -117,7 +120,8 @@ def test_cli_dry_run_prints_entry_and_command(capsys: pytest.CaptureFixture[str]
     code = main([
         "replica", "vllm", "--model", "/models/x", "--served-model-name", "x", "--port", "9000",
         "--id", "a", "--kv-events-port", "7000", "--replay-port", "7001", "--cpu",
-        "--num-gpu-blocks", "100", "--python", "/py", "--dry-run", "--", "--seed", "3",
+        "--num-gpu-blocks", "100", "--python", "/py", "--dtype", "bfloat16", "--dry-run", "--",
+        "--seed", "3",
     ])
     assert code == 0
     out = capsys.readouterr().out
@@ -130,6 +134,7 @@ def test_cli_dry_run_prints_entry_and_command(capsys: pytest.CaptureFixture[str]
     argv = shlex.split(command[2:])
     assert argv[-2:] == ["--seed", "3"] and "--enforce-eager" in argv
     assert _flag(argv, "--num-gpu-blocks-override") == "100"
+    assert _flag(argv, "--dtype") == "bfloat16"
     assert json.loads(_flag(argv, "--kv-events-config"))["endpoint"] == "tcp://*:7000"
 
 
