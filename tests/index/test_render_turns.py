@@ -32,26 +32,10 @@ from index.renderer_registry import ModelSpec, RendererRegistry
 from index.segments import SegmentEncoder
 from index.tokenizer import load_tokenizer_files
 from index.turns import TurnMemo
+from tests.index import tokenizer_text
+from tests.index.tokenizer_text import VARIANTS
 
-VARIANTS = ["llama3", "chatml", "chatml_prefix", "llama3_extra"]
-SPECIALS = [
-    "<|begin_of_text|>",
-    "<|start_header_id|>",
-    "<|start_header_id|>sys",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|",
-    "|>",
-]
-ALPHABET = "ab cdeXYZ 019 .,!?'\"\n\t  éè日🙂-_{}[]:"
-fragments = st.one_of(
-    st.text(alphabet=ALPHABET, max_size=16),
-    st.sampled_from(SPECIALS),
-    st.sampled_from(["system", "user", " ", "\n\n", "'s", "123"]),
-)
-texts = st.lists(fragments, max_size=8).map("".join)
+texts = tokenizer_text.texts(max_fragment=16, max_fragments=8)
 arguments = st.one_of(
     st.just('{"x": 1}'),
     st.just('{"x": 1.0}'),

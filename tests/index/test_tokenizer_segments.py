@@ -22,29 +22,10 @@ from index.keys import block_keys
 from index.renderer_registry import ModelSpec, RendererRegistry
 from index.segments import SegmentEncoder
 from index.tokenizer import load_tokenizer_files
+from tests.index import tokenizer_text
+from tests.index.tokenizer_text import VARIANTS
 
-VARIANTS = ["llama3", "chatml", "chatml_prefix", "llama3_extra"]
-SPECIALS = [
-    "<|begin_of_text|>",
-    "<|start_header_id|>",
-    "<|start_header_id|>sys",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tool_call>",
-    "<|python_tag|>",
-    "<|",
-    "|>",
-]
-ALPHABET = "ab cdeXYZ 019 .,!?'\"\n\t  éè\u0301日本🙂-_{}[]:"
-
-fragments = st.one_of(
-    st.text(alphabet=ALPHABET, max_size=24),
-    st.sampled_from(SPECIALS),
-    st.sampled_from(["system", "user", "tem", " ", "\n\n", "  \n", "'s", "123456"]),
-)
-texts = st.lists(fragments, max_size=12).map("".join)
+texts = tokenizer_text.texts(max_fragment=24, max_fragments=12)
 
 SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
