@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import (
@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FastCounter", "FastHistogram", "KvMetrics", "Outcome", "RouterMetrics"]
 
+_C = TypeVar("_C")
+
 Outcome = Literal[
     "ok", "http_4xx", "http_5xx", "connect_error", "timeout", "midstream_error", "cancelled"
 ]
@@ -53,6 +55,37 @@ Outcome = Literal[
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+
+
+class _Family(Generic[_C]):
+    """What both fast families share: the name, the label names and one child per label
+    set, created on first use by ``_new_child``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _C] = {}
+        registry.register(self)
+
+    def _new_child(self) -> _C:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        """The exposition (``prometheus_client``'s collector interface)."""
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _C:
+        """The child for one label set (created empty on first use)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self._labelnames):
+                raise ValueError(
+                    f"{self._name}: expected labels {self._labelnames}, got {values}"
+                )
+            child = self._children[values] = self._new_child()
+        return child
 
 
 class _CounterChild:
@@ -67,26 +100,12 @@ class _CounterChild:
         self.value += amount
 
 
-class FastCounter:
+class FastCounter(_Family[_CounterChild]):
     """A labelled counter for the hot path: ``labels(*values).inc()``, exported like
     ``prometheus_client.Counter`` (``name_total`` and ``name_created`` per label set)."""
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 registry: CollectorRegistry) -> None:
-        self._name = name
-        self._doc = documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _CounterChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> _CounterChild:
-        """The child for one label set (created at zero on first use)."""
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _CounterChild()
-        return child
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self._name, self._doc, labels=self._labelnames)]
@@ -114,7 +133,7 @@ class _HistogramChild:
         self.counts[bisect_left(self._bounds, amount)] += 1
 
 
-class FastHistogram:
+class FastHistogram(_Family[_HistogramChild]):
     """A labelled histogram for the hot path: ``labels(*values).observe(v)``, exported like
     ``prometheus_client.Histogram`` (cumulative ``le`` buckets with ``+Inf``, ``_count``,
     ``_sum``, ``_created``)."""
@@ -124,22 +143,12 @@ class FastHistogram:
         bounds = sorted(float(b) for b in buckets)
         if not bounds or bounds[-1] != float("inf"):
             bounds.append(float("inf"))
-        self._name = name
-        self._doc = documentation
-        self._labelnames = tuple(labelnames)
         self._bounds = tuple(bounds)
         self._les = tuple(_le(b) for b in bounds)
-        self._children: dict[tuple[str, ...], _HistogramChild] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> _HistogramChild:
-        """The child for one label set (created empty on first use)."""
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _HistogramChild(self._bounds)
-        return child
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
 
     def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)]
