@@ -7,7 +7,15 @@ ones alike: ``kv_cache_usage_perc`` counts evictable cached blocks as free).  He
 
     horizon_s = free_blocks / allocation_rate_blocks_per_s
 
-* ``free_blocks = num_gpu_blocks * (1 - kv_cache_usage_perc)`` from the scrape.
+* ``free_blocks = num_gpu_blocks * (1 - kv_cache_usage_perc)`` from the scrape, carried
+  forward between scrapes by what the router sees happen to the pool: blocks newly
+  allocated (``observe_allocated``) and cached blocks a routed request takes back from the
+  free queue (``observe_reused``) leave it; the blocks of a finished request
+  (``observe_released``) return to it.  A scrape is a snapshot of a pool that changes by
+  whole conversations in milliseconds: when a session's turn finishes, the blocks ahead
+  of its own in the LRU queue include everything other turns freed since the last
+  scrape, which the snapshot alone misses (an eviction predicted that never comes).
+  Traffic the router does not see (another router's) is corrected at the next scrape.
 * ``allocation_rate``: newly computed blocks per second, an exponentially weighted mean
   over ``tau_s`` of counter deltas: prompt tokens computed (prompt tokens minus prefix
   cache hits, or ``prompt_tokens_by_source{source="local_compute"}`` when exported) plus
@@ -54,7 +62,8 @@ class PoolSample:
 class _Replica:
     __slots__ = (
         "rate", "pending_blocks", "last_rate_t", "free_blocks", "pool_t",
-        "last_prompt", "last_gen", "block_size", "allocated",
+        "last_prompt", "last_gen", "block_size", "allocated", "num_blocks",
+        "reused", "released", "marks",
     )
 
     def __init__(self) -> None:
@@ -67,6 +76,21 @@ class _Replica:
         self.last_gen: float | None = None
         self.block_size: int | None = None
         self.allocated = 0.0
+        self.num_blocks: float | None = None
+        self.reused = 0.0
+        self.released = 0.0
+        self.marks = (0.0, 0.0, 0.0)
+        """``(allocated, reused, released)`` at the last pool observation."""
+
+    def free_now(self) -> float | None:
+        """The scraped free pool, carried forward by what happened since."""
+        if self.free_blocks is None:
+            return None
+        alloc0, reused0, released0 = self.marks
+        free = (self.free_blocks + (self.released - released0)
+                - (self.allocated - alloc0) - (self.reused - reused0))
+        upper = self.num_blocks if self.num_blocks is not None else free
+        return min(upper, max(0.0, free))
 
 
 class HorizonEstimator:
@@ -94,9 +118,11 @@ class HorizonEstimator:
         st = self._get(replica)
         if s.block_size:
             st.block_size = s.block_size
-        if s.num_gpu_blocks is not None and s.kv_usage is not None:
-            usage = min(1.0, max(0.0, s.kv_usage))
-            st.free_blocks = s.num_gpu_blocks * (1.0 - usage)
+        pool = s.num_gpu_blocks is not None and s.kv_usage is not None
+        if pool:
+            usage = min(1.0, max(0.0, s.kv_usage or 0.0))
+            st.num_blocks = float(s.num_gpu_blocks or 0)
+            st.free_blocks = st.num_blocks * (1.0 - usage)
             st.pool_t = s.t
         tokens = 0.0
         if s.computed_prompt_tokens_total is not None:
@@ -109,6 +135,8 @@ class HorizonEstimator:
             st.last_gen = s.generation_tokens_total
         if st.block_size and count_allocations:
             self.observe_allocated(replica, s.t, tokens / st.block_size)
+        if pool:  # the counters above are already in the snapshot
+            st.marks = (st.allocated, st.reused, st.released)
 
     def observe_allocated(self, replica: ReplicaId, t: float, blocks: float) -> None:
         """``blocks`` newly allocated at time ``t`` (from counters or ``BlockStored``)."""
@@ -130,6 +158,16 @@ class HorizonEstimator:
         st.pending_blocks = 0.0
         st.last_rate_t = t
 
+    def observe_reused(self, replica: ReplicaId, blocks: float) -> None:
+        """A request routed to ``replica`` will take ``blocks`` cached blocks back from
+        the free queue (its predicted prefix hit)."""
+        self._get(replica).reused += max(0.0, blocks)
+
+    def observe_released(self, replica: ReplicaId, blocks: float) -> None:
+        """A request on ``replica`` finished: its ``blocks`` (prompt and output) return
+        to the free queue."""
+        self._get(replica).released += max(0.0, blocks)
+
     def allocated(self, replica: ReplicaId) -> float:
         """Blocks allocated on ``replica`` since it was first seen (a running count: the
         difference between two readings is what LRU consumed in between)."""
@@ -137,11 +175,12 @@ class HorizonEstimator:
         return st.allocated if st is not None else 0.0
 
     def free_blocks(self, replica: ReplicaId, now: float) -> float | None:
-        """Free (incl. evictable) blocks at the last fresh scrape, if any."""
+        """Free (incl. evictable) blocks now: the last fresh scrape carried forward (see
+        the module docstring), if any."""
         st = self._r.get(replica)
-        if st is None or st.free_blocks is None or st.pool_t is None:
+        if st is None or st.pool_t is None or now - st.pool_t > self.stale_s:
             return None
-        return st.free_blocks if now - st.pool_t <= self.stale_s else None
+        return st.free_now()
 
     def allocation_rate(self, replica: ReplicaId) -> float | None:
         """Blocks allocated per second (EWMA), if measured."""

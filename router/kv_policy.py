@@ -17,7 +17,9 @@ Algorithm, per request (``KvPolicy.decide``):
    until the first byte, then decoding) merged with the replica's scraped ``/metrics``
    (waiting, running; a stale scrape is unknown, not zero), the index freshness for that
    replica (event lag, disconnection, recent gaps and resets, receipt calibration), its
-   eviction horizon and free pool (``router.horizon``) and, for the session's previous
+   eviction horizon and free pool (``router.horizon``: the scrape carried forward by the
+   blocks this policy's requests reuse and release and the events' allocations) and,
+   for the session's previous
    replica, how much of its free pool has been allocated since the session's last turn
    finished (LRU: its idle blocks are evicted once that share reaches one).
 4. **Pure scoring** (``router.scoring``): ``score = -alpha * new_tokens - beta *
@@ -254,11 +256,14 @@ class KvPolicy:
         detail = decision.detail
         session = detail.get("session")
         if isinstance(session, str):
+            # The blocks ahead of this turn's in the LRU free queue: the free pool before
+            # its own blocks return to it (they go behind).
             self.sessions.finished(
                 session, receipt.replica, now,
                 alloc_mark=self.horizon.allocated(receipt.replica),
                 free_mark=self.horizon.free_blocks(receipt.replica, now),
             )
+        self._released(decision, receipt)
         predicted = decision.predicted_cached_tokens
         if predicted is None or not receipt.ok or receipt.replica != decision.replica:
             return
@@ -514,6 +519,9 @@ class KvPolicy:
         replica = chosen.replica
         if prompt is not None:
             self.provisional.add(replica, prompt.block_keys, now)
+            if decision.predicted_cached_tokens:
+                self.horizon.observe_reused(
+                    replica, decision.predicted_cached_tokens / prompt.block_size)
         if decision.prompt_tokens:
             self._fluid[replica] = (self._fluid_queue(replica, now) + decision.prompt_tokens,
                                     now)
@@ -552,6 +560,18 @@ class KvPolicy:
                     request.request_id, br.cause, br.position, br.previous_tokens,
                     br.message_index, br.message_role, br.lost_tokens,
                 )
+
+    def _released(self, decision: Decision, receipt: Receipt) -> None:
+        """Tell the horizon estimator that the request's blocks went back to the pool."""
+        detail = decision.detail
+        tokens = receipt.prompt_tokens
+        if tokens is None:
+            tokens = detail.get("prompt_tokens")
+        block_size = detail.get("block_size")
+        if not isinstance(tokens, int) or not isinstance(block_size, int) or block_size <= 0:
+            return
+        tokens += receipt.completion_tokens or 0
+        self.horizon.observe_released(receipt.replica, -(-tokens // block_size))
 
     def _tail_consumed(
         self, previous: SessionState, horizon: float | None, now: float

@@ -69,6 +69,7 @@ class Receipt:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     ttfb_s: float | None = None
+    completion_tokens: int | None = None
 
 
 class Policy(Protocol):

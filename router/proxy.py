@@ -102,8 +102,8 @@ class _Call:
 
     __slots__ = ("endpoint", "method", "path", "query", "body", "headers", "stream",
                  "tap_strip", "request_id", "route", "decision", "prompt_estimate",
-                 "receipt_ok", "prompt_tokens", "cached_tokens", "ttfb_s", "replica", "done",
-                 "gone", "watcher")
+                 "receipt_ok", "prompt_tokens", "cached_tokens", "completion_tokens", "ttfb_s",
+                 "replica", "done", "gone", "watcher")
 
     def __init__(self, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
                  headers: dict[str, str], stream: bool, tap_strip: bool, request_id: str,
@@ -124,6 +124,7 @@ class _Call:
         self.receipt_ok = False
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self.ttfb_s: float | None = None
         self.replica: ReplicaId | None = None
         self.done = False
@@ -266,7 +267,8 @@ class Proxy:
             if call.watcher is not None:
                 call.watcher.cancel()
             receipt = Receipt(call.replica or decision.replicas[0], call.receipt_ok,
-                              call.prompt_tokens, call.cached_tokens, call.ttfb_s)
+                              call.prompt_tokens, call.cached_tokens, call.ttfb_s,
+                              call.completion_tokens)
             try:
                 policy.record(route, decision, receipt)
             except Exception:  # a policy bug must not break the response path
@@ -351,7 +353,8 @@ class Proxy:
                                      "connect_error") from exc
                     self._first_byte(call, replica, lease, clock() - t_up)
                     if status == 200:
-                        call.prompt_tokens, call.cached_tokens = usage_of_body(body)
+                        (call.prompt_tokens, call.cached_tokens,
+                         call.completion_tokens) = usage_of_body(body)
                         call.receipt_ok = True
                     call.done = True
                     await send({"type": "http.response.start", "status": status,
@@ -375,6 +378,7 @@ class Proxy:
                 outcome = await _pump(call, resp, chunk, tap, send)
                 if tap is not None:
                     call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
+                    call.completion_tokens = tap.completion_tokens
                     call.receipt_ok = outcome == "ok"
                 return status
             except _Retry:

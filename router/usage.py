@@ -1,7 +1,8 @@
 """Reading ``usage`` out of responses cheaply, and hiding the usage chunk the router asked for.
 
 vLLM reports ``usage.prompt_tokens`` and ``usage.prompt_tokens_details.cached_tokens``
-(the ground truth for KV-hit predictions).  Streams carry it only when
+(the ground truth for KV-hit predictions), and ``usage.completion_tokens`` (with the
+prompt, the KV blocks the request held until it finished).  Streams carry it only when
 ``stream_options.include_usage`` is set, as a final chunk with ``"choices": []``.
 
 * ``inject_include_usage(raw, body)`` turns usage on for the upstream request, changing
@@ -25,7 +26,7 @@ from typing import Any
 import msgspec
 import orjson
 
-__all__ = ["UsageTap", "inject_include_usage", "usage_of_body"]
+__all__ = ["UsageNumbers", "UsageTap", "inject_include_usage", "usage_of_body"]
 
 _USAGE = b'"usage"'
 # A stream that sends no event boundary within this many bytes is passed on raw rather
@@ -45,17 +46,26 @@ def inject_include_usage(raw: bytes, body: Mapping[str, Any]) -> bytes:
     return orjson.dumps(patched)
 
 
-def _usage_numbers(obj: Any) -> tuple[int | None, int | None] | None:
+UsageNumbers = tuple[int | None, int | None, int | None]
+"""``(prompt_tokens, cached_tokens, completion_tokens)``, each ``None`` when absent."""
+
+_NO_USAGE: UsageNumbers = (None, None, None)
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+def _usage_numbers(obj: Any) -> UsageNumbers | None:
     if not isinstance(obj, dict):
         return None
     usage = obj.get("usage")
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (prompt if isinstance(prompt, int) else None,
-            cached if isinstance(cached, int) else None)
+    return (_int_or_none(usage.get("prompt_tokens")), _int_or_none(cached),
+            _int_or_none(usage.get("completion_tokens")))
 
 
 class _WithUsage(msgspec.Struct):
@@ -67,27 +77,29 @@ class _WithUsage(msgspec.Struct):
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
 
 
-def usage_of_body(body: bytes) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, cached_tokens)`` of a JSON response (``None`` when absent)."""
+def usage_of_body(body: bytes) -> UsageNumbers:
+    """``(prompt_tokens, cached_tokens, completion_tokens)`` of a JSON response (``None``
+    where absent)."""
     if _USAGE not in body:
-        return None, None
+        return _NO_USAGE
     try:
         usage = _decode_usage(body).usage
     except (msgspec.DecodeError, msgspec.ValidationError):  # not JSON, or not an object
-        return None, None
+        return _NO_USAGE
     found = _usage_numbers({"usage": usage})
-    return found if found is not None else (None, None)
+    return found if found is not None else _NO_USAGE
 
 
 class UsageTap:
     """Extracts usage from an SSE stream; optionally strips the usage-only chunk."""
 
-    __slots__ = ("strip", "prompt_tokens", "cached_tokens", "_held")
+    __slots__ = ("strip", "prompt_tokens", "cached_tokens", "completion_tokens", "_held")
 
     def __init__(self, *, strip: bool) -> None:
         self.strip = strip
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None
+        self.completion_tokens: int | None = None
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -131,7 +143,7 @@ class UsageTap:
             found = _usage_numbers(obj)
             if found is None:
                 continue
-            self.prompt_tokens, self.cached_tokens = found
+            self.prompt_tokens, self.cached_tokens, self.completion_tokens = found
             if self.strip and obj.get("choices") == []:
                 return False
         return True

@@ -77,3 +77,36 @@ def test_allocation_count_and_free_pool_for_lru_marks() -> None:
     assert h.free_blocks(A, 1.0) == 500 and h.free_blocks(A, 7.0) is None
     h.observe_scrape(A, sample(2.0, 320, 0, usage=0.5))
     assert h.allocated(A) == 50
+
+
+def test_free_pool_is_carried_forward_between_scrapes() -> None:
+    h = HorizonEstimator(stale_s=5.0)
+    h.observe_allocated(A, 0.0, 40)  # before the scrape: already in its snapshot
+    h.observe_released(A, 25)
+    h.observe_scrape(A, sample(1.0, 0, 0, usage=0.9), count_allocations=False)
+    assert h.free_blocks(A, 1.0) == pytest.approx(100)
+    # Since the scrape: three turns finished (their blocks return to the free queue),
+    # one request took 30 cached blocks back, 20 blocks were newly allocated.
+    for _ in range(3):
+        h.observe_released(A, 40)
+    h.observe_reused(A, 30)
+    h.observe_allocated(A, 1.5, 20)
+    assert h.free_blocks(A, 1.5) == pytest.approx(100 + 120 - 30 - 20)
+    # bounded by the pool, never negative
+    h.observe_released(A, 5000)
+    assert h.free_blocks(A, 1.6) == 1000
+    h.observe_allocated(A, 1.7, 9000)
+    assert h.free_blocks(A, 1.7) == 0
+    # the next scrape is the new baseline; the horizon stays a scrape-level figure
+    h.observe_scrape(A, sample(2.0, 0, 0, usage=0.5), count_allocations=False)
+    assert h.free_blocks(A, 2.0) == pytest.approx(500)
+    h.observe_reused(A, -5)  # nonsense is ignored
+    assert h.free_blocks(A, 2.0) == pytest.approx(500)
+    assert h.free_blocks(A, 8.0) is None  # stale
+
+
+def test_scrape_counted_allocations_are_in_the_snapshot() -> None:
+    h = HorizonEstimator()
+    h.observe_scrape(A, sample(0.0, 0, 0, usage=0.5))
+    h.observe_scrape(A, sample(1.0, 1600, 0, usage=0.6))  # 100 blocks, in this snapshot
+    assert h.free_blocks(A, 1.0) == pytest.approx(400)

@@ -17,6 +17,7 @@ from index.renderer_registry import ModelSpec, RendererRegistry
 from index.status import SourceStatus
 from index.types import EngineKey, Medium, ReplicaId
 from replica.tiny_tokenizer import build_tokenizer
+from router.horizon import PoolSample
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_services import RegistryPrompts
 from router.load import LoadTracker
@@ -333,3 +334,23 @@ async def test_gauge_rows_report_load_terms(registry: RendererRegistry) -> None:
     assert env.value("router_kv_load_queued_prefill_tokens", replica="r0") == 0
     assert env.value("router_route_seconds_count", policy="kv") == 1
     env.metrics.close()
+
+
+async def test_the_pool_estimate_follows_the_policys_requests(
+    registry: RendererRegistry,
+) -> None:
+    # A routed hit takes its cached blocks back from the free queue; a finished request
+    # returns its prompt and output blocks: the free pool between two scrapes follows.
+    env = Env(registry)
+    h = env.policy.horizon
+    h.observe_scrape(R[1], PoolSample(env.clock.t, 16, 1000, 0.5, None, None),
+                     count_allocations=False)
+    r = req(chat("pool please", "a", "b"))
+    await env.hold(R[1], req(chat("pool please")))
+    d = await env.policy.route(r, R)
+    assert d.replica == R[1] and d.predicted_cached_tokens
+    reused = d.predicted_cached_tokens / 16
+    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500 - reused)
+    env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=330, cached_tokens=0,
+                                    completion_tokens=20))
+    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500 - reused + 22)  # 350 / 16

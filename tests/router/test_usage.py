@@ -103,7 +103,7 @@ def test_inject_splices_or_merges() -> None:
         "include_usage": True}
 
 
-USAGE_EVENT = (b'data: {"choices":[],"usage":{"prompt_tokens":9,'
+USAGE_EVENT = (b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,'
                b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n')
 STREAM = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
           b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -115,7 +115,7 @@ def test_tap_strips_usage_chunk_at_any_split() -> None:
         tap = UsageTap(strip=True)
         out = tap.feed(STREAM[:cut]) + tap.feed(STREAM[cut:]) + tap.flush()
         assert out == STREAM.replace(USAGE_EVENT, b""), cut
-        assert (tap.prompt_tokens, tap.cached_tokens) == (9, 4)
+        assert (tap.prompt_tokens, tap.cached_tokens, tap.completion_tokens) == (9, 4, 2)
 
 
 def test_tap_forwards_complete_events_at_once() -> None:
@@ -128,7 +128,7 @@ def test_tap_forwards_complete_events_at_once() -> None:
 def test_tap_passthrough_when_not_stripping() -> None:
     tap = UsageTap(strip=False)
     assert tap.feed(STREAM) == STREAM
-    assert (tap.prompt_tokens, tap.cached_tokens) == (9, 4)
+    assert (tap.prompt_tokens, tap.cached_tokens, tap.completion_tokens) == (9, 4, 2)
     assert tap.flush() == b""
 
 
@@ -139,16 +139,17 @@ def test_tap_never_holds_unframed_streams() -> None:
 
 
 def test_usage_of_body() -> None:
-    assert usage_of_body(b'{"usage":{"prompt_tokens":3}}') == (3, None)
-    assert usage_of_body(b'{"x":1}') == (None, None)
-    assert usage_of_body(b'{"usage": nope') == (None, None)
-    assert usage_of_body(b'{"usage": null}') == (None, None)
+    none = (None, None, None)
+    assert usage_of_body(b'{"usage":{"prompt_tokens":3}}') == (3, None, None)
+    assert usage_of_body(b'{"x":1}') == none
+    assert usage_of_body(b'{"usage": nope') == none
+    assert usage_of_body(b'{"usage": null}') == none
     # only the top-level member counts; the rest is skipped, whatever it holds
     answer = {"choices": [{"message": {"content": "usage " * 5000, "usage": {"prompt_tokens": 1}}}],
-              "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 5}}}
-    assert usage_of_body(orjson.dumps(answer)) == (7, 5)
-    assert usage_of_body(b'["usage", {"usage": {"prompt_tokens": 3}}]') == (None, None)
-    assert usage_of_body(b'"usage"') == (None, None)
-    assert usage_of_body(b'{"usage": {"prompt_tokens": "3", "prompt_tokens_details": 1}}') == (
-        None, None)
-    assert usage_of_body(b'{"usage": {"prompt_tokens": 3}, "x": [1,') == (None, None)
+              "usage": {"prompt_tokens": 7, "completion_tokens": 11,
+                        "prompt_tokens_details": {"cached_tokens": 5}}}
+    assert usage_of_body(orjson.dumps(answer)) == (7, 5, 11)
+    assert usage_of_body(b'["usage", {"usage": {"prompt_tokens": 3}}]') == none
+    assert usage_of_body(b'"usage"') == none
+    assert usage_of_body(b'{"usage": {"prompt_tokens": "3", "prompt_tokens_details": 1}}') == none
+    assert usage_of_body(b'{"usage": {"prompt_tokens": 3}, "x": [1,') == none
