@@ -59,6 +59,7 @@ from jinja2.utils import missing
 
 from index.plain_data import plain_bytes
 from index.template_env import (
+    FastRender,
     is_generation_block,
     iterates_over,
     make_environment,
@@ -148,19 +149,29 @@ class _Impure(Exception):
 class _Loop:
     free: tuple[str, ...]
     """BODY's free variables, in the order the call passes their values."""
-    body: jinja2.Template
+    body: FastRender
+    keys: dict[tuple[tuple[Any, ...], ...], bytes]
+    """Record keys of free variables that are all undefined or globals (by name)."""
 
     def render_items(
         self, items: list[tuple[Any, _Position]], context: dict[str, Any]
     ) -> list[str]:
         if not items:
             return []
-        out = self.body.render({**context, _ITEMS: items, _CUT: _SEPARATOR})
+        body = self.body
+        context[_ITEMS] = items
+        context[_CUT] = _SEPARATOR
+        out = body.render(context)
         parts = out.split(_SEPARATOR)
         if len(parts) == len(items) + 1 and not parts[0]:
             return parts[1:]
         # A message produced the separator itself: render the elements one by one.
-        return [self.body.render({**context, _ITEMS: [item], _CUT: ""}) for item in items]
+        outputs = []
+        for item in items:
+            context[_ITEMS] = [item]
+            context[_CUT] = ""
+            outputs.append(body.render(context))
+        return outputs
 
 
 class MessageLoops:
@@ -170,6 +181,7 @@ class MessageLoops:
         self.env = env or make_environment()
         self._loops: list[_Loop] = []
         self.template: jinja2.Template | None = None
+        self._main: FastRender | None = None
         self.reason: str | None = None
         try:
             self._compile(source)
@@ -191,10 +203,10 @@ class MessageLoops:
         Raises ``LoopFallback`` (render the original template instead) and whatever
         the template raises.
         """
-        if self.template is None:
+        if self._main is None:
             raise LoopFallback(self.reason or "no message loop")
         run = _Run(self, base)
-        text = self.template.render({**context, _CALL: run.call})
+        text = self._main.render({**context, _CALL: run.call})
         return text, run.records
 
     # -- analysis -----------------------------------------------------------------------
@@ -223,7 +235,7 @@ class MessageLoops:
                 continue
             index = len(self._loops)
             assert isinstance(twin.target, jn.Name)  # checked by _check_loop
-            self._loops.append(_Loop(free, _body_template(env, twin)))
+            self._loops.append(_Loop(free, FastRender.of(_body_template(env, twin)), {}))
             call = jn.Call(
                 jn.Name(_CALL, "load"),
                 [jn.Const(index), loop.iter, *(jn.Name(n, "load") for n in free)],
@@ -239,6 +251,7 @@ class MessageLoops:
             raise _Impure("; ".join(reasons) or "no loop over messages")
         _replace(main, replacements)
         self.template = env.from_string(main)
+        self._main = FastRender.of(self.template)
 
 
 def _loops_over(root: jn.Node, aliases: frozenset[str]) -> Iterator[jn.For]:
@@ -392,15 +405,16 @@ class _Run:
         loop = owner._loops[index]
         if type(seq) is not list:
             raise LoopFallback("the message loop's iterable is not a list")
-        context, key = _free_values(owner.env, loop.free, values)
+        context, key = _free_values(owner.env, loop, values)
         base = next(
             (r for r in self._base if r.owner is owner and r.index == index and r.key == key),
             None,
         )
         shared = 0
         if base is not None:
-            same = list(map(operator.is_, seq, base.items))
-            shared = same.index(False) if False in same else len(same)
+            shared = min(len(seq), len(base.items))
+            if not all(map(operator.is_, seq, base.items)):
+                shared = list(map(operator.is_, seq, base.items)).index(False)
         if shared:
             assert base is not None
             ends = base.ends[:shared]
@@ -419,17 +433,17 @@ class _Run:
 
 
 def _free_values(
-    env: ImmutableSandboxedEnvironment, names: tuple[str, ...], values: tuple[object, ...]
+    env: ImmutableSandboxedEnvironment, loop: _Loop, values: tuple[object, ...]
 ) -> tuple[dict[str, Any], bytes]:
     """BODY's context and the record key for the free variables' values.
 
     An undefined variable is left out of the context (BODY sees it undefined, as in
     place) and an unshadowed global is left to the environment; both enter the key by
-    name only.
+    name only (so such keys are kept per loop instead of serialised again).
     """
     context: dict[str, Any] = {}
-    parts: list[tuple[str, ...] | tuple[str, str, object]] = []
-    for name, value in zip(names, values, strict=True):
+    parts: list[tuple[Any, ...]] = []
+    for name, value in zip(loop.free, values, strict=True):
         if isinstance(value, jinja2.Undefined):
             if (
                 type(value) is not env.undefined
@@ -444,10 +458,18 @@ def _free_values(
         else:
             parts.append(("value", name, value))
             context[name] = value
-    key = plain_bytes(parts)
-    if key is None:
+    if not context:  # names only: the same key as last time
+        by_name = tuple(parts)
+        key = loop.keys.get(by_name)
+        if key is None:
+            key = plain_bytes(parts)
+            assert key is not None  # tuples of strings are plain data
+            loop.keys[by_name] = key
+        return context, key
+    plain = plain_bytes(parts)
+    if plain is None:
         raise LoopFallback("a free variable of the message loop is not plain data")
-    return context, key
+    return context, plain
 
 
 @lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)

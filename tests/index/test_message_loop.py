@@ -5,19 +5,21 @@ free variables set before the loop, ``continue``, ``{% generation %}``) and temp
 that must be refused (``loop.last``, neighbours through ``messages``, namespaces,
 ``break``, macros, time), over random conversations rendered turn after turn: the
 output always equals the plain Jinja rendering, reuse happens only where it is sound,
-and a refused template is never transformed.
+and a refused template is never transformed.  ``FastRender`` renders (and fails) as
+``Template.render`` does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from index.message_loop import LoopFallback, LoopRecord, MessageLoops, message_loops
-from index.template_env import compile_template
+from index.template_env import FastRender, compile_template
 from replica.tiny_tokenizer import CHATML_TEMPLATE, LLAMA3_TEMPLATE
 
 ACCEPTED = {
@@ -195,3 +197,32 @@ def test_free_variables_that_are_not_plain_data_fall_back() -> None:
     source = ACCEPTED["kwarg_in_body"]
     with pytest.raises(LoopFallback):
         message_loops(source).render(_context([{"role": "user", "content": "x"}], sep=object()))
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+@settings(max_examples=40, deadline=None)
+@given(conversation=messages)
+def test_fast_render_equals_template_render(
+    name: str, conversation: list[dict[str, Any]]
+) -> None:
+    template = compile_template(ACCEPTED[name])
+    context = _context(conversation)
+    try:
+        expected: Any = template.render(**context)
+    except jinja2.TemplateError as exc:
+        expected = (type(exc), str(exc))
+    try:
+        got: Any = FastRender.of(template).render(dict(context))
+    except jinja2.TemplateError as exc:
+        got = (type(exc), str(exc))
+    assert got == expected
+
+
+def test_a_free_variable_that_comes_and_goes_is_never_reused_across() -> None:
+    source = ACCEPTED["kwarg_in_body"]
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    base: list[LoopRecord] = []
+    for sep in (None, "|", None, "||", "||", None):
+        context = _context(conv) if sep is None else _context(conv, sep=sep)
+        text, base = message_loops(source).render(context, base)
+        assert text == compile_template(source).render(**context)
