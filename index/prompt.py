@@ -10,9 +10,10 @@ blocks only, the salt folded into block 0, the LoRA adapter name into every bloc
 segments (``index.segments``), each with a serial number that identifies its exact
 token ids.  The keyer memoises the hash chain state after each segment, keyed by
 (state before, segment serial), so a prompt that extends a previous one only hashes the
-blocks its new segments complete.  The memo is bounded (a trie of at most ``max_nodes``
-states, dropped whole when full); a miss only costs recomputation, and the result is
-always equal to ``block_keys`` over the whole token list (a property test checks this).
+blocks its new segments complete (in one ``block_keys`` call for all of them).  The
+memo is bounded (a trie of at most ``max_nodes`` states, dropped whole when full); a
+miss only costs recomputation, and the result is always equal to ``block_keys`` over
+the whole token list (a property test checks this).
 
 A prompt that starts with the very segments of an earlier one can skip even the walk
 down the trie: ``keys(..., resume=KeyResume(trail, shared))`` starts from the state
@@ -27,7 +28,7 @@ valid after the trie is dropped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -191,24 +192,70 @@ class PromptKeyer:
             if node is None:
                 node = self._roots[ctx] = _Node(0, None, (), [])
                 self._count_node()
-        misses = 0
-        for serial, ids in segments[start:] if start else segments:
+        rest = segments[start:] if start else segments
+        for i, (serial, ids) in enumerate(rest):
             if ids:
                 child = node.children.get(serial)
                 if child is None:
-                    misses += 1
-                    child = self._advance(ctx, node, ids)
-                    node.children[serial] = child
-                    self._count_node()
+                    self._grow(ctx, node, rest[i:] if i else rest, out, nodes)
+                    break
                 if child.keys:
                     out.extend(child.keys)
                 node = child
             if nodes is not None:
                 nodes.append(node)
-        self.misses += misses
         if resume is not None and nodes is not None:
             resume.trail = KeyTrail(ctx, nodes, out)
         return out
+
+    def _grow(
+        self,
+        ctx: KeyContext,
+        node: _Node,
+        segments: Sequence[Segment],
+        out: list[RequestKey],
+        nodes: list[_Node] | None,
+    ) -> None:
+        """Key ``segments``, the first of which is not a child of ``node``: the blocks
+        they complete are hashed in one ``block_keys`` call, then the state after each
+        segment is added to the trie (and to ``nodes``)."""
+        bs = ctx.block_size
+        pending: list[int] = [*node.tail]
+        ends: list[int] = []
+        for _, ids in segments:
+            pending += ids
+            ends.append(len(pending))
+        full = len(pending) // bs
+        keys: list[RequestKey] = []
+        if full:
+            keys = block_keys(
+                pending[: full * bs],
+                bs,
+                model=ctx.model,
+                cache_salt=ctx.cache_salt,
+                lora_name=ctx.lora_name,
+                parent=node.last,
+                first_block_index=node.n_blocks,
+            )
+            out += keys
+        base_blocks, base_last = node.n_blocks, node.last
+        done = 0  # blocks of ``keys`` completed by the segments so far
+        for (serial, ids), end in zip(segments, ends, strict=True):
+            if ids:
+                blocks = end // bs
+                child = _Node(
+                    base_blocks + blocks,
+                    keys[blocks - 1] if blocks else base_last,
+                    tuple(pending[blocks * bs : end]),
+                    keys[done:blocks] if blocks > done else [],
+                )
+                done = blocks
+                node.children[serial] = child
+                self.misses += 1
+                self._count_node()
+                node = child
+            if nodes is not None:
+                nodes.append(node)
 
     def _count_node(self) -> None:
         self._nodes += 1
@@ -218,25 +265,6 @@ class PromptKeyer:
             self._roots.clear()
             self._nodes = 0
             self.resets += 1
-
-    def _advance(self, ctx: KeyContext, node: _Node, ids: Iterable[int]) -> _Node:
-        bs = ctx.block_size
-        pending = [*node.tail, *ids]
-        full = len(pending) // bs * bs
-        new_keys: list[RequestKey] = []
-        last = node.last
-        if full:
-            new_keys = block_keys(
-                pending[:full],
-                bs,
-                model=ctx.model,
-                cache_salt=ctx.cache_salt,
-                lora_name=ctx.lora_name,
-                parent=last,
-                first_block_index=node.n_blocks,
-            )
-            last = new_keys[-1]
-        return _Node(node.n_blocks + full // bs, last, tuple(pending[full:]), new_keys)
 
     def clear(self) -> None:
         """Forget every memoised state."""
