@@ -284,9 +284,12 @@ class ModelRenderer:
             conversation = list(turn.conversation)  # the turn's own list stays as built
         else:
             conversation = build_conversation(messages, content_format)
-        if any(m["role"] == "developer" for m in conversation) and not (
-            '"developer"' in source or "'developer'" in source
-        ):
+        developer = (
+            turn.has_developer
+            if turn is not None
+            else any(m["role"] == "developer" for m in conversation)
+        )
+        if developer and not ('"developer"' in source or "'developer'" in source):
             conversation = convert_developer_role(conversation)
         accepted = template_variables(source) | _HF_CHAT_PARAMS
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}

@@ -9,8 +9,9 @@ router pre-warmed it).  ``TurnMemo`` keeps, per recently rendered conversation, 
   (exact dicts whose values are all exact strings, the usual chat turn) a shallow copy,
   ``snapshot``; for any other messages their ``index.plain_data`` bytes, ``raw``;
 * ``conversation``: the messages as built for the template (``index.chat_messages``),
-  one object per message, sharing no container with the request, never mutated
-  afterwards;
+  one object per message, sharing no container with the request (text-only messages
+  are built into new containers; others are copied), never mutated afterwards, and
+  whether one of them is a developer message;
 * ``loops``: the template's message loops as rendered (``index.message_loop``);
 * ``split``: the rendered text cut into pieces (``index.segments.TextSplit``);
 * ``keys``: where the block-key chain stood after each piece (``index.prompt``).
@@ -80,6 +81,8 @@ class Turn:
     conversation: list[Message]
     """Built messages; shared with later turns, so never mutated."""
     key: _Key
+    has_developer: bool = False
+    """Some message of ``conversation`` has the role ``developer``."""
     loops: list[LoopRecord] = field(default_factory=list)
     text: str = ""
     split: TextSplit | None = None
@@ -172,14 +175,19 @@ class TurnMemo:
             if raw is None:
                 return None
         reused = base.conversation if base is not None else []
-        fresh = [_detached(m) for m in build_conversation(messages[len(reused) :], content_format)]
+        fresh = build_conversation(messages[len(reused) :], content_format)
+        if not text_only:  # text-only messages are built into new containers already
+            fresh = [_detached(m) for m in fresh]
         if base is None:
             self.stats.misses += 1
         else:
             self.stats.hits += 1
             self.stats.reused_messages += len(reused)
         key = (n, first, key_of(n - 1))
-        turn = Turn(snapshot, raw, content_format, [*reused, *fresh], key)
+        developer = (base is not None and base.has_developer) or any(
+            m["role"] == "developer" for m in fresh
+        )
+        turn = Turn(snapshot, raw, content_format, [*reused, *fresh], key, developer)
         return turn, base
 
     def remember(self, turn: Turn, base: Turn | None) -> None:

@@ -394,3 +394,33 @@ def test_plain_bytes_tells_apart_what_templates_print_differently() -> None:
 
     for odd in (OrderedDict(a=1), Text("x"), [object()], {"k": Text("v")}):
         assert plain_bytes(odd) is None
+
+
+def test_a_developer_message_in_a_later_turn_is_converted_as_from_scratch(
+    registry: RendererRegistry,
+) -> None:
+    """The turn remembers whether its conversation holds a developer message; a later
+    turn that adds one (or keeps one from its base) renders as the request alone does."""
+    target = registry.resolve("llama3")  # its template refuses an unconverted developer
+    assert target.renderer is not None
+    renderer = target.renderer
+    history: list[dict[str, Any]] = [{"role": "user", "content": "q1"}]
+    turns = [
+        [{"role": "assistant", "content": "a1"}, {"role": "developer", "content": "be brief"}],
+        [{"role": "user", "content": "q2"}],
+        [{"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}],
+    ]
+    for added in [[], *turns]:
+        history = [*history, *added]
+        body = {"model": "llama3", "messages": copy.deepcopy(history)}
+        incremental = renderer.chat_text(copy.deepcopy(body))
+        assert incremental.base is not None or not added
+        whole = TurnMemo()
+        renderer.turns, memo = whole, renderer.turns
+        try:
+            fresh = renderer.chat_text(copy.deepcopy(body)).text
+        finally:
+            renderer.turns = memo
+        assert incremental.text == fresh
+        assert incremental.turn is not None
+        assert incremental.turn.has_developer == any(m["role"] == "developer" for m in history)
