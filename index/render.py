@@ -34,8 +34,9 @@ The next turn of a conversation redoes only what is new (``index.turns``): messa
 already built are taken from the remembered turn, the template's message loop renders
 only new messages (``index.message_loop``; templates it cannot prove message-local
 are rendered whole), the text is cut only past what it shares with the previous text
-(``SegmentEncoder.split``) and ``Tokenized.key_resume`` lets the keyer start where the
-previous prompt's shared segments left it.  Each shortcut is exact by construction,
+(``SegmentEncoder.split``), its new pieces are encoded word by word where that is exact
+(``index.words``) and ``Tokenized.key_resume`` lets the keyer start where the previous
+prompt's shared segments left it.  Each shortcut is exact by construction,
 and the result equals rendering and encoding the whole request (property tests).
 
 Completions (``/v1/completions``): ``prompt`` is a string, a list of ids, a list of

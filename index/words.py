@@ -160,8 +160,7 @@ class WordEncoder:
             compiled = re.compile(translated, re.ASCII)
         except re.error as exc:
             return None, f"the translated regex does not compile: {exc}"
-        if compiled.groups:
-            return None, "the translated regex has capturing groups"
+        assert not compiled.groups  # ascii_pattern refuses capturing groups
         encoder = cls(tokenizer, compiled, ints, max_words=max_words)
         reason = encoder._self_check()
         encoder.clear()

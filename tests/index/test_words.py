@@ -10,13 +10,16 @@ Oniguruma and Python's ``re``; tokenizers of another shape get no word encoder.
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from index.segments import SegmentEncoder
 from index.tokenizer import load_tokenizer_files
@@ -76,6 +79,7 @@ def test_known_regexes_translate() -> None:
         r"[]a]",
         r"[a",
         "é",
+        "a\\",  # a trailing backslash
     ],
 )
 def test_other_constructs_are_refused(pattern: str) -> None:
@@ -163,3 +167,77 @@ def test_warm_turn_pieces_are_encoded_word_by_word(encoders: dict[str, SegmentEn
     split = enc.split(second, enc.split(first))
     assert split.ids == enc.encode_uncached(second)
     assert enc.stats.by_words > by_words
+
+
+def _variant(tiny_dirs: dict[str, Path], change: Any) -> Tokenizer:
+    """The tiny llama3 tokenizer with its JSON changed by ``change(spec)``."""
+    spec = json.loads(load_tokenizer_files(tiny_dirs["llama3"]).tokenizer.to_str())
+    change(spec)
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+_SPLIT = ["pre_tokenizer", "pretokenizers", 0]
+
+
+def _set(path: list[Any], value: Any) -> Any:
+    def change(spec: dict[str, Any]) -> None:
+        node = spec
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (_set(["normalizer"], {"type": "Lowercase"}), "normalizer"),
+        (
+            _set(["normalizer"], {"type": "Sequence", "normalizers": [{"type": "Lowercase"}]}),
+            "normalizer",
+        ),
+        (_set(["pre_tokenizer"], {"type": "Whitespace"}), "regex split followed by ByteLevel"),
+        (_set(["pre_tokenizer", "pretokenizers", 0, "behavior"], "Removed"), "isolating"),
+        (_set(["pre_tokenizer", "pretokenizers", 0, "pattern"], {"String": " "}), "isolating"),
+        (_set(["pre_tokenizer", "pretokenizers", 1, "use_regex"], True), "ByteLevel"),
+        (_set(["model", "dropout"], 0.5), "dropout"),
+        (_set([*_SPLIT, "pattern"], {"Regex": r"\p{Lu}+|."}), "constructs"),
+        (_set([*_SPLIT, "pattern"], {"Regex": "a{2,1}"}), "compile"),
+        # Empty matches: the tokenizer drops them, Python's findall keeps them.
+        (_set([*_SPLIT, "pattern"], {"Regex": r"\p{L}*"}), "unlike the tokenizer"),
+    ],
+)
+def test_tokenizers_of_another_shape_get_none(
+    tiny_dirs: dict[str, Path], change: Any, reason: str
+) -> None:
+    words, why = WordEncoder.for_tokenizer(_variant(tiny_dirs, change), list(range(5000)))
+    assert words is None
+    assert why is not None and reason in why
+
+
+def test_normal_forms_leave_ascii_alone(tiny_dirs: dict[str, Path]) -> None:
+    nfkc = {"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "NFC"}]}
+    words, why = WordEncoder.for_tokenizer(
+        _variant(tiny_dirs, _set(["normalizer"], nfkc)), list(range(5000))
+    )
+    assert words is not None, why
+
+
+def test_a_regex_that_disagrees_with_the_tokenizer_fails_the_self_check(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    tokenizer = load_tokenizer_files(tiny_dirs["llama3"]).tokenizer
+    words = WordEncoder(tokenizer, re.compile(r"\S+|\s+", re.ASCII), list(range(5000)))
+    assert "unlike the tokenizer" in (words._self_check() or "")
+
+
+def test_word_ids_that_differ_from_the_tokenizer_fail_the_self_check(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    tokenizer = load_tokenizer_files(tiny_dirs["llama3"]).tokenizer
+    words, _ = WordEncoder.for_tokenizer(tokenizer, list(range(5000)))
+    assert words is not None and words._self_check() is None
+    words._byte_chars = {**words._byte_chars, ord(" "): "x"}  # a wrong byte-level map
+    words.clear()
+    assert "differ from the tokenizer" in (words._self_check() or "")
