@@ -10,19 +10,28 @@ holds N user messages and N-1 replies: 10 turns are 1,500 + 10*150 + 9*350 = 6,1
 content tokens (plus the template's own tokens).
 
 For each turn count N it measures ``RendererRegistry.render_chat`` (template, cached
-tokenisation, incremental block keys) on the prompt of turn N:
+tokenisation, incremental block keys) on the prompt of turn N.  Every request body is
+a fresh parse of its JSON (new dicts and strings, as the router's parser hands them
+over), made before the clock starts:
 
-* cold: every cache emptied first (the remembered turns, the pieces' ids, the key
-  trie);
-* warm: turn N right after turn N-1 of the same conversation (caches as a router has
-  them when the next turn of a conversation arrives), so only the new reply and user
-  message are rendered, tokenised and hashed.
-
+* cold: every cache emptied first (the remembered turns, the pieces' and words' ids,
+  the key trie);
+* warm: turn N after the router followed the conversation: caches emptied, then turns
+  1 .. N-1 rendered one after the other (untimed), then turn N timed.  The caches are
+  as a router has them when the next turn of a conversation arrives, and only the new
+  reply and user message are rendered, tokenised and hashed;
+* warm after a cold N-1 (``cold_prev``): the same turn N right after turn N-1 was
+  rendered cold into emptied caches.  The caches end up the same, but that cold
+  rendering sweeps a memory footprint that grows with N through the CPU caches just
+  before the timed turn, so this figure grows with N even where the turn's own work
+  does not (the instruction count of the timed turn is the same either way);
 * prewarmed: turn N when the router called ``prewarm_reply`` with turn N-1's reply
   after relaying it (the client's think time), so only the new user message is new.
 
 Each figure is the median (and p90) of ``--reps`` runs, in CPU time of the measuring
 thread (``time.thread_time``: all the work is on that thread) and in wall-clock time.
+Every run measures each turn count in turn, so a change in the machine's speed during
+the benchmark shifts all rows alike instead of one.
 On a shared machine the wall clock also counts time the process waited for a core, so
 CPU time is the cost figure; the JSON records the load average at start and end.
 Phases of the warm turn are timed separately, as ``render_chat`` runs them (render =
@@ -30,6 +39,7 @@ messages to text, ``ModelRenderer.chat_text``; tokenise = split and cached encod
 ``tokenize_text``; hash = block keys, ``PromptKeyer.keys``).  It prints a table and
 writes JSON (``--json``).
 """
+
 
 from __future__ import annotations
 
@@ -47,6 +57,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from index.prompt import Prompt
 from index.renderer_registry import ModelSpec, RendererRegistry, Target
 
 SYSTEM_TOKENS = 1500
@@ -134,100 +145,143 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def measure(
-    registry: RendererRegistry, model: str, messages: list[dict[str, str]], reps: int
-) -> dict[str, Any]:
-    """Cold and warm figures for the last turn of ``messages``."""
-    target = registry.resolve(model)
-    renderer = target.renderer
-    assert renderer is not None
-    body = {"model": model, "messages": messages}
-    previous = {"model": model, "messages": messages[:-2]} if len(messages) > 2 else None
-    prompt = registry.render_chat(body)
-    samples: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "cold",
-            "cold_cpu",
-            "warm",
-            "warm_cpu",
-            "render",
-            "tokenise",
-            "hash",
-            "prewarmed_cpu",
-        )
-    }
-    new_tokens = prompt.num_tokens
-    ctx = target.key_context(None)
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(reps):
-            _reset(registry, target)
-            w0, c0 = _clock()
-            registry.render_chat(body)
-            w1, c1 = _clock()
-            samples["cold"].append(w1 - w0)
-            samples["cold_cpu"].append(c1 - c0)
-            if previous is None:
-                continue
-            _reset(registry, target)
-            before = registry.render_chat(previous)
-            new_tokens = prompt.num_tokens - before.num_tokens
-            w0, c0 = _clock()
-            registry.render_chat(body)
-            w1, c1 = _clock()
-            samples["warm"].append(w1 - w0)
-            samples["warm_cpu"].append(c1 - c0)
-            # The same warm turn again, phase by phase (after re-warming with turn N-1).
-            _reset(registry, target)
-            registry.render_chat(previous)
-            t0 = time.thread_time()
-            chat = renderer.chat_text(body)
-            t1 = time.thread_time()
-            tokenized = renderer.tokenize_text(chat)
-            t2 = time.thread_time()
-            assert tokenized.segments is not None
-            registry.keyer.keys(ctx, tokenized.segments, resume=tokenized.key_resume)
-            t3 = time.thread_time()
-            samples["render"].append(t1 - t0)
-            samples["tokenise"].append(t2 - t1)
-            samples["hash"].append(t3 - t2)
-            # Turn N when the router pre-warmed turn N-1's reply while the client read it
-            # (``prewarm_reply``): only the new user message is tokenised on the path.
-            _reset(registry, target)
-            registry.render_chat(previous)
-            registry.prewarm_reply(previous, messages[-2]["content"])
-            c0 = time.thread_time()
-            registry.render_chat(body)
-            samples["prewarmed_cpu"].append(time.thread_time() - c0)
-            gc.collect()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    row: dict[str, Any] = {
-        "turns": (len(messages) + 1) // 2,
-        "prompt_tokens": prompt.num_tokens,
-        "blocks": len(prompt.block_keys),
-        "new_tokens_warm": new_tokens,
-        "cold_wall": _stats(samples["cold"]),
-        "cold_cpu": _stats(samples["cold_cpu"]),
-    }
-    if samples["warm"]:
-        row["warm_wall"] = _stats(samples["warm"])
-        row["warm_cpu"] = _stats(samples["warm_cpu"])
-        row["warm_cpu_phases_median_ms"] = {
-            k: statistics.median(samples[k]) * 1e3 for k in ("render", "tokenise", "hash")
+def _parsed(body: dict[str, Any]) -> dict[str, Any]:
+    """A new request's objects, as the router's JSON parser produces them."""
+    parsed: dict[str, Any] = json.loads(json.dumps(body))
+    return parsed
+
+
+def _follow(
+    registry: RendererRegistry, target: Target, model: str, messages: list[dict[str, str]]
+) -> Prompt:
+    """Empty the caches, then render turns 1 .. N-1 of ``messages`` (turn N's), one
+    after the other, as the router does when it follows the conversation; turn N-1's
+    prompt."""
+    _reset(registry, target)
+    prompt = None
+    for end in range(2, len(messages) - 1, 2):
+        prompt = registry.render_chat(_parsed({"model": model, "messages": messages[:end]}))
+    assert prompt is not None
+    return prompt
+
+
+_SAMPLES = (
+    "cold",
+    "cold_cpu",
+    "warm",
+    "warm_cpu",
+    "render",
+    "tokenise",
+    "hash",
+    "cold_prev_cpu",
+    "prewarmed_cpu",
+)
+
+
+class Series:
+    """The samples of one turn count: the last turn of ``messages``."""
+
+    def __init__(
+        self, registry: RendererRegistry, model: str, messages: list[dict[str, str]]
+    ) -> None:
+        self.registry = registry
+        self.model = model
+        self.messages = messages
+        self.target = registry.resolve(model)
+        self.body = {"model": model, "messages": messages}
+        self.previous = {"model": model, "messages": messages[:-2]} if len(messages) > 2 else None
+        self.prompt = registry.render_chat(_parsed(self.body))
+        self.new_tokens = self.prompt.num_tokens
+        self.samples: dict[str, list[float]] = {k: [] for k in _SAMPLES}
+
+    def sample(self) -> None:
+        """One run of every measurement (the caller disables the garbage collector)."""
+        registry, target, model, messages = self.registry, self.target, self.model, self.messages
+        renderer = target.renderer
+        assert renderer is not None
+        samples = self.samples
+        _reset(registry, target)
+        request = _parsed(self.body)
+        w0, c0 = _clock()
+        registry.render_chat(request)
+        w1, c1 = _clock()
+        samples["cold"].append(w1 - w0)
+        samples["cold_cpu"].append(c1 - c0)
+        previous = self.previous
+        if previous is None:
+            return
+        before = _follow(registry, target, model, messages)
+        self.new_tokens = self.prompt.num_tokens - before.num_tokens
+        request = _parsed(self.body)
+        w0, c0 = _clock()
+        registry.render_chat(request)
+        w1, c1 = _clock()
+        samples["warm"].append(w1 - w0)
+        samples["warm_cpu"].append(c1 - c0)
+        # The same warm turn again, phase by phase.
+        _follow(registry, target, model, messages)
+        request = _parsed(self.body)
+        t0 = time.thread_time()
+        chat = renderer.chat_text(request)
+        t1 = time.thread_time()
+        tokenized = renderer.tokenize_text(chat)
+        t2 = time.thread_time()
+        assert tokenized.segments is not None
+        ctx = target.key_context(None)
+        registry.keyer.keys(ctx, tokenized.segments, resume=tokenized.key_resume)
+        t3 = time.thread_time()
+        samples["render"].append(t1 - t0)
+        samples["tokenise"].append(t2 - t1)
+        samples["hash"].append(t3 - t2)
+        # Turn N right after turn N-1 was rendered cold into emptied caches.
+        _reset(registry, target)
+        registry.render_chat(_parsed(previous))
+        request = _parsed(self.body)
+        c0 = time.thread_time()
+        registry.render_chat(request)
+        samples["cold_prev_cpu"].append(time.thread_time() - c0)
+        # Turn N when the router pre-warmed turn N-1's reply while the client read it
+        # (``prewarm_reply``): only the new user message is tokenised on the path.
+        _follow(registry, target, model, messages)
+        registry.prewarm_reply(_parsed(previous), messages[-2]["content"])
+        request = _parsed(self.body)
+        c0 = time.thread_time()
+        registry.render_chat(request)
+        samples["prewarmed_cpu"].append(time.thread_time() - c0)
+
+    def row(self) -> dict[str, Any]:
+        """The figures of this turn count, as the JSON's ``rows`` hold them."""
+        samples = self.samples
+        row: dict[str, Any] = {
+            "turns": (len(self.messages) + 1) // 2,
+            "prompt_tokens": self.prompt.num_tokens,
+            "blocks": len(self.prompt.block_keys),
+            "new_tokens_warm": self.new_tokens,
+            "cold_wall": _stats(samples["cold"]),
+            "cold_cpu": _stats(samples["cold_cpu"]),
         }
-        row["warm_cpu_us_per_new_token"] = row["warm_cpu"]["median_ms"] * 1e3 / max(new_tokens, 1)
-        row["warm_prewarmed_cpu"] = _stats(samples["prewarmed_cpu"])
-    return row
+        if samples["warm"]:
+            row["warm_wall"] = _stats(samples["warm"])
+            row["warm_cpu"] = _stats(samples["warm_cpu"])
+            row["warm_cpu_phases_median_ms"] = {
+                k: statistics.median(samples[k]) * 1e3 for k in ("render", "tokenise", "hash")
+            }
+            row["warm_cpu_us_per_new_token"] = (
+                row["warm_cpu"]["median_ms"] * 1e3 / max(self.new_tokens, 1)
+            )
+            row["warm_cold_prev_cpu"] = _stats(samples["cold_prev_cpu"])
+            row["warm_prewarmed_cpu"] = _stats(samples["prewarmed_cpu"])
+        return row
 
 
 def run(
     tokenizer: Path, block_size: int, turn_counts: Sequence[int], reps: int, seed: int
 ) -> dict[str, Any]:
-    """Every measurement, as the JSON document the CLI writes."""
+    """Every measurement, as the JSON document the CLI writes.
+
+    Each rep measures every turn count in turn, so a change in the machine's speed
+    during the run (another process, the host) lands on every row alike.
+    """
     registry = RendererRegistry(
         [ModelSpec(name="bench", block_size=block_size, tokenizer=tokenizer)]
     )
@@ -237,10 +291,17 @@ def run(
     maker = TextMaker(lambda s: len(encoder.encode_uncached(s)), seed=seed)
     longest = conversation(maker, max(turn_counts))
     load_start = os.getloadavg()
-    rows = []
-    for turns in turn_counts:
-        messages = longest[: 2 * turns]
-        rows.append(measure(registry, "bench", messages, reps))
+    series = [Series(registry, "bench", longest[: 2 * turns]) for turns in turn_counts]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for one in series:
+                one.sample()
+            gc.collect()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return {
         "tokenizer": str(tokenizer),
         "block_size": block_size,
@@ -251,7 +312,7 @@ def run(
         "loadavg_end": os.getloadavg(),
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
-        "rows": rows,
+        "rows": [one.row() for one in series],
     }
 
 
@@ -262,9 +323,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"render + tokenise + hash, block size {result['block_size']}, {result['reps']} reps, "
         f"load average {result['loadavg_start'][0]:.1f} on {result['cpu_count']} CPUs",
         f"{'':>20}{'---- cold ----':>18}{'-------- warm (turn N after N-1) --------':>54}"
-        f"{'prewarmed':>10}",
+        f"{'after cold N-1':>15}{'prewarmed':>10}",
         f"{'turns':>5} {'tokens':>7} {'new':>5} {'cpu':>8} {'wall':>8} {'cpu':>8} {'cpu p90':>8} "
-        f"{'wall':>8} {'render':>7} {'tokenise':>8} {'hash':>6} {'us/new':>7} {'cpu':>9}",
+        f"{'wall':>8} {'render':>7} {'tokenise':>8} {'hash':>6} {'us/new':>7} {'cpu':>14} "
+        f"{'cpu':>9}",
     ]
     for row in result["rows"]:
         w_cpu = row.get("warm_cpu", {})
@@ -277,6 +339,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{w_wall.get('median_ms', nan):>8.3f} {ph.get('render', nan):>7.3f} "
             f"{ph.get('tokenise', nan):>8.3f} {ph.get('hash', nan):>6.3f} "
             f"{row.get('warm_cpu_us_per_new_token', nan):>7.2f} "
+            f"{row.get('warm_cold_prev_cpu', {}).get('median_ms', nan):>14.3f} "
             f"{row.get('warm_prewarmed_cpu', {}).get('median_ms', nan):>9.3f}"
         )
     return "\n".join(lines)
