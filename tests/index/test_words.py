@@ -71,6 +71,7 @@ def test_known_regexes_translate() -> None:
         r"a++",  # possessive
         r"[[:alpha:]]",
         r"[a-z&&[^b]]",
+        r"[a-c&&b]",  # Oniguruma's intersection, three literals to Python
         r"\x41",
         r"\u0041",
         r"\X",
