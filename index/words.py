@@ -35,11 +35,7 @@ Exactness rests on three facts, each checked:
   model has no dropout.
 
 Isolated splitting also keeps text between matches as words; the encoder requires the
-matches to cover the text and otherwise leaves it to the tokenizer.  A new word costs
-the model about twice what the tokenizer spends on a word of a whole text, so a text
-whose distinct new words outnumber half its words is also left to the tokenizer (the
-encoder learns one word in eight of it, so that a new stream of text warms the cache
-up).
+matches to cover the text and otherwise leaves it to the tokenizer.
 
 The word cache is bounded (``max_words``) and dropped whole when full (the next texts
 refill it); ids are lists of the caller's shared int objects.  Not thread-safe.
@@ -51,7 +47,7 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from itertools import chain, islice
+from itertools import chain
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -65,9 +61,6 @@ their leading space, capitalised or not) is a few tens of thousands of words."""
 _NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 _ESCAPES = frozenset("rntfvsSdDwW")
 _GROUPS = ("(?:", "(?i:", "(?!", "(?=")
-_WARM_UP = 8
-"""A text of mostly new words teaches one word in this many (some 0.2 us a word of the
-text, where the tokenizer costs 0.7)."""
 _PROBE_COUNT = 600
 _PROBE_SEED = 20240611
 
@@ -191,12 +184,6 @@ class WordEncoder:
             if len(known) + len(missing) > self._max_words:
                 known.clear()  # generational: this text's words are learnt again
                 missing = set(words)
-            if 2 * len(missing) > len(words):
-                # Mostly new words (a code listing, an identifier dump, the first
-                # messages after a start): the tokenizer encodes the whole text for less
-                # than the model costs word by word.  Learn a few of them to warm up.
-                self._learn(set(islice(missing, max(1, len(words) // _WARM_UP))))
-                return None
             if not self._learn(missing):
                 return None
             found = list(map(known.__getitem__, words))
