@@ -10,8 +10,10 @@ concatenated.  Most words of a conversation's new message were seen before (in t
 conversation or another), and ``WordEncoder`` keeps each word's ids: a new message
 costs a regex scan and a dictionary lookup per word, and only the words never seen
 go through the tokenizer's model (``Model.tokenize`` on the word's byte-level
-characters, as the pipeline hands it over; some 0.8 us a word, where encoding each
-word as a text of its own costs 2.5 us and the whole message 0.7 us a word).
+characters, as the pipeline hands it over).  A word the model's own BPE cache knows
+costs 0.8 us that way, where encoding each word as a text of its own costs 2.5 us and
+the whole message 0.7 us a word; a word new to it costs the merges either way (2,000
+novel words: 5.4 ms word by word, 6.9 ms as one text).
 
 Exactness rests on three facts, each checked:
 
