@@ -18,8 +18,9 @@ over), made before the clock starts:
   the key trie);
 * warm: turn N after the router followed the conversation: caches emptied, then turns
   1 .. N-1 rendered one after the other (untimed), then turn N timed.  The caches are
-  as a router has them when the next turn of a conversation arrives, and only the new
-  reply and user message are rendered, tokenised and hashed;
+  as a router has them when the next turn of a conversation arrives (no earlier prompt
+  is held: the router drops a prompt when its request is done), and only the new reply
+  and user message are rendered, tokenised and hashed;
 * warm after a cold N-1 (``cold_prev``): the same turn N right after turn N-1 was
   rendered cold into emptied caches.  The caches end up the same, but that cold
   rendering sweeps a memory footprint that grows with N through the CPU caches just
@@ -210,8 +211,8 @@ class Series:
         previous = self.previous
         if previous is None:
             return
-        before = _follow(registry, target, model, messages)
-        self.new_tokens = self.prompt.num_tokens - before.num_tokens
+        before = _follow(registry, target, model, messages).num_tokens  # the prompt is dropped
+        self.new_tokens = self.prompt.num_tokens - before
         request = _parsed(self.body)
         w0, c0 = _clock()
         registry.render_chat(request)

@@ -20,7 +20,9 @@ down the trie: ``keys(..., resume=KeyResume(trail, shared))`` starts from the st
 the earlier prompt reached after its first ``shared`` segments (its ``KeyTrail``, the
 state after each of its segments, taken only under the same ``KeyContext``) and leaves
 this prompt's own trail in ``resume.trail``.  States are plain values: a trail stays
-valid after the trie is dropped.
+valid after the trie is dropped.  A trail resumes one prompt: when nothing else holds
+its key list (the earlier prompt is gone; ``sys.getrefcount``), the new prompt's keys
+are that list, truncated and extended in place, and the trail is emptied.
 
 ``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
 400).
@@ -28,6 +30,7 @@ valid after the trie is dropped.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -39,6 +42,10 @@ from index.types import RequestKey
 
 MAX_CACHE_SALT_LENGTH = 128
 _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
+
+_HELD_BY_THE_TRAIL_ONLY = 2
+"""``sys.getrefcount`` of a trail's key list that only the trail holds (its field and
+the call's argument): the prompt it was handed to is gone, so it may be reused."""
 
 DEFAULT_MAX_KEY_NODES = 200_000
 """Memoised chain states.  One per segment of each remembered prompt (about 4 per
@@ -161,6 +168,8 @@ class PromptKeyer:
         self._roots: dict[KeyContext, _Node] = {}
         self.misses = 0
         self.resets = 0
+        self.taken_over = 0
+        """Prompts whose keys are the key list of the trail they resumed."""
 
     def keys(
         self,
@@ -186,7 +195,13 @@ class PromptKeyer:
                 start = resume.shared
                 nodes = base.nodes[:start]
                 node = nodes[-1]
-                out = base.keys[: node.n_blocks]
+                if sys.getrefcount(base.keys) == _HELD_BY_THE_TRAIL_ONLY:
+                    out = base.keys  # the previous prompt is gone: take its keys over
+                    del out[node.n_blocks :]
+                    base.keys, base.nodes = [], []  # spent: nothing resumes from it
+                    self.taken_over += 1
+                else:
+                    out = base.keys[: node.n_blocks]
         if node is None:
             node = self._roots.get(ctx)
             if node is None:

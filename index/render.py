@@ -59,9 +59,9 @@ import jinja2
 
 from index.chat_messages import Message, build_conversation, convert_developer_role
 from index.message_loop import LoopFallback, LoopRecord, message_loops
-from index.prompt import KeyResume
+from index.prompt import KeyResume, KeyTrail
 from index.render_errors import InvalidPrompt, RenderUnsupported, TemplateRejected
-from index.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder
+from index.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, TextSplit
 from index.template_env import compile_template, detect_content_format, template_variables
 from index.tokenizer import TokenizerFiles
 from index.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
@@ -374,12 +374,19 @@ class ModelRenderer:
                 chat.truncation_side,
             )
         base = chat.base
-        split = self.encoder.split(chat.text, base.split if base is not None else None)
+        previous: TextSplit | None = None
+        trail: KeyTrail | None = None
+        if base is not None:
+            # The base turn was replaced (``TurnMemo.remember``): its split and key
+            # trail are given up to this turn, which may take their lists over.
+            previous, base.split = base.split, None
+            trail = base.keys.trail if base.keys is not None else None
+            base.keys = None
+        split = self.encoder.split(chat.text, previous, spend=True)
         turn.split = split
         self.turns.recount(turn)
         ids = split.ids  # shared with the turn: read-only, as ``Prompt.token_ids`` is
         if chat.truncate_prompt_tokens is None:
-            trail = base.keys.trail if base is not None and base.keys is not None else None
             turn.keys = KeyResume(trail, split.shared)
             return Tokenized(ids, split.segments, turn.keys)
         cut = self._truncate(ids, 0, 0, chat.truncate_prompt_tokens, chat.truncation_side)

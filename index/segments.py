@@ -46,7 +46,12 @@ if two texts agree on their first ``P`` characters, every cut ending at or befor
 ``P - L + 1`` is made identically in both, and the rest of the text is cut as a text
 of its own from there.  ``split`` finds ``P`` by comparing the texts (memcmp speed),
 takes the previous segments up to the last such cut and cuts only the remainder.
-Reused pieces are not refreshed in the LRU (they are not looked up).
+Reused pieces are not refreshed in the LRU (they are not looked up).  The ids up to
+that cut are the previous split's ids; when the caller gives the previous split up
+(``spend``, its turn was replaced) and nothing else holds its id list (the previous
+prompt is gone, as it is in the router by the next turn: ``sys.getrefcount``), the list
+is truncated and extended in place instead of copied, so a turn's cost does not grow
+with the conversation's token count.
 
 The encoder is not thread-safe; it belongs to one event loop.
 """
@@ -56,6 +61,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -76,6 +82,10 @@ DEFAULT_MAX_CACHED_TOKENS = 2_000_000
 the vocabulary's shared int and some 4 characters of piece text), so the default is
 about 24 MB per model: a few hundred concurrent 10-turn conversations of 6k tokens, the
 working set a router sees between turns."""
+
+_HELD_BY_THE_SPLIT_ONLY = 2
+"""``sys.getrefcount`` of a split's id list that only the split holds (its field and
+the call's argument): no prompt, no ``Tokenized`` sees it, so it may be reused."""
 
 _SAFE_PRE_TOKENIZERS = frozenset(
     {
@@ -106,15 +116,19 @@ class SegmentStats:
     """Segments taken over from a previous split (``SegmentEncoder.split``)."""
     by_words: int = 0
     """New pieces encoded word by word (``index.words``), of ``misses``."""
+    taken_over: int = 0
+    """Splits that took the previous split's id list over (``split(..., spend=True)``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TextSplit:
     """A text cut into segments, and the cuts a longer text sharing its start may keep.
 
     ``offsets[i]`` is where the ``i``-th added token matched on the raw text ends
     (ascending), ``counts[i]`` the number of segments and ``tokens[i]`` the number of
     token ids up to there.  ``ids`` are the segments' ids concatenated (read-only).
+    A value, except that ``SegmentEncoder.split(..., spend=True)`` may take its id list
+    over; it then empties ``offsets``, so that nothing resumes from it again.
     """
 
     text: str
@@ -179,8 +193,15 @@ class SegmentEncoder:
             return [*prefix, *self._pieces(text), *suffix]
         return self._pieces(text)
 
-    def split(self, text: str, previous: TextSplit | None = None) -> TextSplit:
-        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
+    def split(
+        self, text: str, previous: TextSplit | None = None, *, spend: bool = False
+    ) -> TextSplit:
+        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc).
+
+        With ``spend`` the caller gives ``previous`` up: when nothing else holds its id
+        list (the previous prompt is gone), the new split truncates and extends that
+        list instead of copying it, and ``previous`` is emptied.
+        """
         if not self.splittable or self._raw_split is None:
             pieces = self._pieces(text)
             ids = [i for _, piece in pieces for i in piece]
@@ -197,9 +218,15 @@ class SegmentEncoder:
             if kept:
                 start, shared = previous.offsets[kept - 1], previous.counts[kept - 1]
                 segments = previous.segments[:shared]
-                ids = previous.ids[: previous.tokens[kept - 1]]
                 offsets, counts = previous.offsets[:kept], previous.counts[:kept]
                 tokens = previous.tokens[:kept]
+                if spend and sys.getrefcount(previous.ids) == _HELD_BY_THE_SPLIT_ONLY:
+                    ids = previous.ids
+                    del ids[tokens[-1] :]
+                    previous.offsets = array("q")  # spent: nothing resumes from it
+                    self.stats.taken_over += 1
+                else:
+                    ids = previous.ids[: tokens[-1]]
                 self.stats.reused += shared
         self._cut(text[start:] if start else text, segments, start, offsets, counts)
         # The ids of the segments cut just now, and the token counts at their cuts.

@@ -424,3 +424,77 @@ def test_a_developer_message_in_a_later_turn_is_converted_as_from_scratch(
         assert incremental.text == fresh
         assert incremental.turn is not None
         assert incremental.turn.has_developer == any(m["role"] == "developer" for m in history)
+
+
+@pytest.mark.parametrize("variant", ["llama3", "chatml"])
+@SETTINGS
+@given(
+    conversation=conversations,
+    steps=st.lists(st.tuples(st.sampled_from([1, 1, 1, 0, -1]), st.booleans()), max_size=10),
+    edits=st.lists(st.booleans(), min_size=10, max_size=10),
+)
+def test_lists_of_released_prompts_are_reused_and_held_ones_never_change(
+    variant: str,
+    conversation: list[dict[str, Any]],
+    steps: list[tuple[int, bool]],
+    edits: list[bool],
+    registry: RendererRegistry,
+    hf_tokenizer: Callable[[str], Any],
+) -> None:
+    """A turn takes its base's id and key lists over only when the base's prompt is
+    gone; a prompt still held keeps its ids and keys, and every prompt equals the
+    request rendered and keyed whole.  Requests mostly grow the conversation (the next
+    turn), sometimes repeat it (a retry) or step back (a branch), prompts are held or
+    dropped at random."""
+    target = registry.resolve(variant)
+    assert target.renderer is not None
+    enc = target.renderer.encoder
+    kept: list[tuple[Any, list[int], list[int]]] = []
+    n = 1
+    for (step, hold), edit in zip(steps, edits, strict=False):
+        n = min(max(n + step, 1), len(conversation))
+        messages = json.loads(json.dumps(conversation[:n]))
+        if edit and step < 0:
+            messages[-1]["content"] += "!"
+        prompt = registry.render_chat({"model": variant, "messages": messages})
+        text = hf_tokenizer(variant).apply_chat_template(
+            _reference_conversation(messages), tokenize=False, add_generation_prompt=True
+        )  # not through the renderer: its turn memo is what is under test
+        assert prompt.token_ids == enc.encode_uncached(text)
+        assert prompt.block_keys == block_keys(
+            prompt.token_ids, target.spec.block_size, model=variant
+        )
+        if hold:
+            kept.append((prompt, list(prompt.token_ids), list(prompt.block_keys)))
+        del prompt
+        for old, ids, keys in kept:
+            assert old.token_ids == ids and old.block_keys == keys
+
+
+def test_the_next_turn_takes_over_the_lists_of_a_released_prompt(
+    registry: RendererRegistry,
+) -> None:
+    target = registry.resolve("llama3")
+    assert target.renderer is not None
+    stats, keyer = target.renderer.encoder.stats, registry.keyer
+    history = [
+        {"role": "system", "content": "a system prompt to take over " * 40},
+        {"role": "user", "content": "a question " * 20},
+    ]
+    later = [*history, {"role": "assistant", "content": "an answer " * 30}]
+    later.append({"role": "user", "content": "next"})
+    third = [*later, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "q"}]
+    first = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(history)})
+    held_ids, held_keys = list(first.token_ids), list(first.block_keys)
+    # Held: the next turn copies, and the held prompt is untouched.
+    taken, keys_taken = stats.taken_over, keyer.taken_over
+    second = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(later)})
+    assert (stats.taken_over, keyer.taken_over) == (taken, keys_taken)
+    assert first.token_ids == held_ids and first.block_keys == held_keys
+    # Released: the turn after takes the lists over, truncated and extended.
+    del first, second
+    prompt = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(third)})
+    assert (stats.taken_over, keyer.taken_over) == (taken + 1, keys_taken + 1)
+    text = target.renderer.chat_text({"model": "llama3", "messages": third}).text
+    assert prompt.token_ids == target.renderer.encoder.encode_uncached(text)
+    assert prompt.block_keys == block_keys(prompt.token_ids, 4, model="llama3")
