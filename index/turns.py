@@ -26,7 +26,9 @@ only the messages after that prefix and returns the new turn with its base.  Eac
 stage decides for itself what it takes from the base and proves it exactly: the loops by
 the identity of the message objects and equal free variables, the split by comparing
 the texts, the keys by the shared pieces under the same key context.  A base that helps
-little costs time, never correctness.
+little costs time, never correctness.  The base is given up once its turn is remembered:
+tokenising the new turn may take the base's id and key lists over when no prompt holds
+them any more (``SegmentEncoder.split(..., spend=True)``, ``PromptKeyer.keys``).
 
 Memory is bounded: ``max_bytes`` counts the characters of the texts a turn holds, its
 raw bytes, 8 bytes per token id of its split and a fixed cost per message (the
