@@ -37,7 +37,7 @@ from typing import Literal
 
 from index.keys import block_keys, expected_cached_tokens
 from index.render_errors import InvalidCacheSalt
-from index.segments import Segment
+from index.segments import EXACT_REFCOUNTS, Segment
 from index.types import RequestKey
 
 MAX_CACHE_SALT_LENGTH = 128
@@ -195,7 +195,8 @@ class PromptKeyer:
                 start = resume.shared
                 nodes = base.nodes[:start]
                 node = nodes[-1]
-                if sys.getrefcount(base.keys) == _HELD_BY_THE_TRAIL_ONLY:
+                if (EXACT_REFCOUNTS
+                        and sys.getrefcount(base.keys) == _HELD_BY_THE_TRAIL_ONLY):
                     out = base.keys  # the previous prompt is gone: take its keys over
                     del out[node.n_blocks :]
                     base.keys, base.nodes = [], []  # spent: nothing resumes from it

@@ -83,6 +83,16 @@ the vocabulary's shared int and some 4 characters of piece text), so the default
 about 24 MB per model: a few hundred concurrent 10-turn conversations of 6k tokens, the
 working set a router sees between turns."""
 
+EXACT_REFCOUNTS = (
+    sys.implementation.name == "cpython"
+    and sys.version_info < (3, 14)
+    and bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+)
+"""Whether ``sys.getrefcount`` counts every holder of an object.  CPython 3.14 may skip
+the count of a borrowed reference on the stack (its result can be lower than the
+holders), and the free-threaded build defers counts: there a list is never taken to be
+unshared, and reuse in place is off (lists are copied, as without this optimisation)."""
+
 _HELD_BY_THE_SPLIT_ONLY = 2
 """``sys.getrefcount`` of a split's id list that only the split holds (its field and
 the call's argument): no prompt, no ``Tokenized`` sees it, so it may be reused."""
@@ -220,7 +230,8 @@ class SegmentEncoder:
                 segments = previous.segments[:shared]
                 offsets, counts = previous.offsets[:kept], previous.counts[:kept]
                 tokens = previous.tokens[:kept]
-                if spend and sys.getrefcount(previous.ids) == _HELD_BY_THE_SPLIT_ONLY:
+                if (spend and EXACT_REFCOUNTS
+                        and sys.getrefcount(previous.ids) == _HELD_BY_THE_SPLIT_ONLY):
                     ids = previous.ids
                     del ids[tokens[-1] :]
                     previous.offsets = array("q")  # spent: nothing resumes from it
