@@ -255,6 +255,7 @@ class KvPolicy:
                 self._mine.pop(decision.replica, None)
         detail = decision.detail
         session = detail.get("session")
+        released = self._released_blocks(decision, receipt)
         if isinstance(session, str):
             # The blocks ahead of this turn's in the LRU free queue: the free pool before
             # its own blocks return to it (they go behind).
@@ -262,8 +263,10 @@ class KvPolicy:
                 session, receipt.replica, now,
                 alloc_mark=self.horizon.allocated(receipt.replica),
                 free_mark=self.horizon.free_blocks(receipt.replica, now),
+                blocks_mark=released,
             )
-        self._released(decision, receipt)
+        if released is not None:
+            self.horizon.observe_released(receipt.replica, released)
         predicted = decision.predicted_cached_tokens
         if predicted is None or not receipt.ok or receipt.replica != decision.replica:
             return
@@ -465,8 +468,12 @@ class KvPolicy:
             hit = by_replica.get(r, _NO_HIT)
             horizon = self.horizon.horizon_s(r, now)
             consumed = 0.0
+            queue_ahead: float | None = None
+            run = 0
             if r == prev_replica and previous is not None:
                 consumed = self._tail_consumed(previous, horizon, now)
+                if consumed > 0 and previous.free_mark and previous.blocks_mark:
+                    queue_ahead, run = previous.free_mark, previous.blocks_mark
             inputs.append(ReplicaInput(
                 replica=r,
                 hit=hit,
@@ -475,6 +482,8 @@ class KvPolicy:
                 horizon_s=horizon,
                 free_blocks=self.horizon.free_blocks(r, now),
                 tail_consumed=consumed,
+                tail_queue_blocks=queue_ahead,
+                tail_run_blocks=run,
                 hot_blocks=min(hit.blocks, second),
                 costs=cfg.costs,
             ))
@@ -561,17 +570,19 @@ class KvPolicy:
                     br.message_index, br.message_role, br.lost_tokens,
                 )
 
-    def _released(self, decision: Decision, receipt: Receipt) -> None:
-        """Tell the horizon estimator that the request's blocks went back to the pool."""
+    @staticmethod
+    def _released_blocks(decision: Decision, receipt: Receipt) -> int | None:
+        """The blocks the finished request gave back to the pool (prompt and output),
+        if its size is known."""
         detail = decision.detail
         tokens = receipt.prompt_tokens
         if tokens is None:
             tokens = detail.get("prompt_tokens")
         block_size = detail.get("block_size")
         if not isinstance(tokens, int) or not isinstance(block_size, int) or block_size <= 0:
-            return
+            return None
         tokens += receipt.completion_tokens or 0
-        self.horizon.observe_released(receipt.replica, -(-tokens // block_size))
+        return -(-tokens // block_size)
 
     def _tail_consumed(
         self, previous: SessionState, horizon: float | None, now: float

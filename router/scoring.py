@@ -37,7 +37,14 @@ The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
     free pool; without a pool size, the queue wait in horizons), plus, for the
     request's own tail blocks, the share of the pool allocated since they were last
     used (``tail_consumed``, measured from the replica's allocation count, so a burst
-    does not age a session that was not there).  Blocks that other replicas also hold
+    does not age a session that was not there).  Within the session's run the blocks
+    are not equal: vLLM frees a finished request's blocks last to first, so block ``i``
+    of a run of ``R`` freed behind ``F`` free blocks is ``F + R - 1 - i`` blocks from the
+    queue's head, and ``A`` allocations evict the run from its end (``A - F`` blocks)
+    while its leading blocks, the prefix the next turn needs, last longest.  With the
+    run's size and ``F`` known (``tail_run_blocks``, ``tail_queue_blocks``) each block's
+    pressure is ``A / (F + R - 1 - i)``; without them every tail block is taken to be at
+    the front.  Blocks that other replicas also hold
     (``hot_blocks``: a popular prefix) are assumed recently touched.  Survival is 1 up
     to a pressure of ``1 - spread``, 0 from ``1 + spread``, linear between (the counts
     are estimates).  Unknown pool and horizon mean no eviction risk.
@@ -170,6 +177,12 @@ class ReplicaInput:
     tail_consumed: float = 0.0
     """Share of the free pool allocated since this request's own (non-hot) blocks were
     last used on the replica (1 = they are gone by LRU)."""
+    tail_queue_blocks: float | None = None
+    """The free blocks ahead of the session's blocks in the LRU queue when its last turn
+    finished (``tail_consumed`` is a share of it); with ``tail_run_blocks``, each tail
+    block gets its own depth.  ``None``: every tail block is taken to be at the front."""
+    tail_run_blocks: int = 0
+    """The blocks the session's last turn released (prompt and output), block 0 deepest."""
     hot_blocks: int = 0
     """Leading blocks of the run that are popular (held elsewhere too): age 0."""
     costs: CostModel = CostModel()
@@ -328,6 +341,75 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
     return max(0, min(a1, b1) - max(a0, b0))
 
 
+@dataclass(frozen=True, slots=True)
+class _Tiers:
+    """The usable blocks by tier: ``[0, gpu_end)`` GPU, ``[gpu_end, cpu_end)`` CPU, the
+    rest storage, with the CPU and storage values."""
+
+    gpu_end: int
+    cpu_end: int
+    values: tuple[float, float]
+
+    def value(self, a: int, b: int) -> float:
+        """The summed tier values of blocks ``[a, b)``."""
+        if b <= a:
+            return 0.0
+        if b <= self.gpu_end:
+            return float(b - a)
+        v_cpu, v_sto = self.values
+        return (_overlap(a, b, 0, self.gpu_end)
+                + v_cpu * _overlap(a, b, self.gpu_end, self.cpu_end)
+                + v_sto * max(0, b - max(a, self.cpu_end)))
+
+    def at(self, i: int) -> float:
+        """The tier value of block ``i``."""
+        if i < self.gpu_end:
+            return 1.0
+        return self.values[0] if i < self.cpu_end else self.values[1]
+
+
+def _tail_run(
+    allocations: float,
+    depth0: float,
+    run: int,
+    start: int,
+    end: int,
+    p_cap: float,
+    spread: float,
+    tiers: _Tiers,
+    p_index: float,
+) -> tuple[float, int, float]:
+    """Tail blocks ``[start, end)`` of a session run of ``run`` blocks freed with
+    ``depth0`` free blocks ahead, after ``allocations`` allocations: ``(sum of P_i x tier
+    value, leading blocks with p_index x P_i >= 1/2, sum of P_i)``, each ``P_i`` capped at
+    ``p_cap``.  ``P_i`` falls with ``i`` (deeper blocks survive longer), so the blocks at
+    the cap come first and the loop runs only over the ramp, stopping at the first 0."""
+    if not math.isfinite(allocations):  # an unbounded queue or lag: everything goes
+        return 0.0, 0, 0.0
+    lo = 1.0 - spread
+    full_end = start
+    if lo > 0:
+        # depth0 + run - 1 - i >= allocations / lo  <=>  P_i = 1 (then capped)
+        full_end = min(end, max(start, math.floor(depth0 + run - 1 - allocations / lo) + 1))
+    full_end = min(full_end, max(start, run))  # past the run every depth is depth0
+    weighted = p_cap * tiers.value(start, full_end)
+    total = p_cap * (full_end - start)
+    counting = p_index * p_cap >= 0.5
+    resident = full_end - start if counting else 0
+    for i in range(full_end, end):
+        p = min(p_cap, resident_probability(allocations / (depth0 + max(0, run - 1 - i)),
+                                            spread))
+        if p <= 0.0:
+            break
+        weighted += p * tiers.at(i)
+        total += p
+        if counting and p_index * p >= 0.5:
+            resident += 1
+        else:
+            counting = False
+    return weighted, resident, total
+
+
 def score_replica(
     inp: ReplicaInput,
     prompt_tokens: int,
@@ -353,21 +435,33 @@ def score_replica(
         pressure += (queued / block_size) / max(inp.free_blocks, 1.0)
     else:
         pressure += _in_horizons(wait_s, inp.horizon_s)
-    p_hot = resident_probability(pressure, w.horizon_spread)
-    p_tail = resident_probability(pressure + max(0.0, inp.tail_consumed), w.horizon_spread)
-
-    if g == usable:  # all on GPU: the common case
-        weighted = p_hot * hot + p_tail * (usable - hot)
+    spread = w.horizon_spread
+    p_hot = resident_probability(pressure, spread)
+    if g < usable and tier_values is None:
+        tier_values = _tier_values(inp.costs)
+    tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
+    weighted = p_hot * tiers.value(0, hot)
+    predicted = hot if p_index * p_hot >= 0.5 else 0
+    depth0 = inp.tail_queue_blocks
+    consumed = max(0.0, inp.tail_consumed)
+    if depth0 is None or depth0 <= 0 or consumed <= 0:
+        p_tail = resident_probability(pressure + consumed, spread)
+        weighted += p_tail * tiers.value(hot, usable)
+        predicted += usable - hot if p_index * p_tail >= 0.5 else 0
     else:
-        if tier_values is None:
-            tier_values = _tier_values(inp.costs)
-        v_cpu, v_sto = tier_values
-        weighted = 0.0
-        for t0, t1, value in ((0, g, 1.0), (g, g + c, v_cpu), (g + c, usable, v_sto)):
-            if t1 > t0:
-                weighted += value * (
-                    p_hot * _overlap(t0, t1, 0, hot) + p_tail * _overlap(t0, t1, hot, usable)
-                )
+        # Block i of the session's run left the LRU queue's head ``depth0 + run - 1 - i``
+        # blocks away (freed last to first): it is gone once that many blocks have been
+        # allocated, so the run is evicted from its end and its leading blocks survive.
+        free_ref = inp.free_blocks if inp.free_blocks is not None else depth0
+        allocations = consumed * depth0 + pressure * free_ref
+        weighted_tail, resident, total = _tail_run(
+            allocations, depth0, inp.tail_run_blocks, hot, usable, p_hot, spread, tiers, p_index,
+        )  # fmt: skip
+        weighted += weighted_tail
+        predicted += resident
+        front = total / (usable - hot) if usable > hot else resident_probability(
+            allocations / depth0, spread)
+        p_tail = min(p_hot, front)  # the run's mean (rounding kept below the cap)
     expected = block_size * p_index * weighted
     new_tokens = max(0.0, prompt_tokens - expected)
     score = (-w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
@@ -379,10 +473,7 @@ def score_replica(
         cpu_blocks=hit.cpu_blocks,
         storage_blocks=hit.storage_blocks,
         usable_blocks=usable,
-        predicted_cached_tokens=block_size * (
-            (hot if p_index * p_hot >= 0.5 else 0)
-            + (usable - hot if p_index * p_tail >= 0.5 else 0)
-        ),
+        predicted_cached_tokens=block_size * predicted,
         expected_cached_tokens=expected,
         p_index=p_index,
         p_resident_hot=p_hot,

@@ -36,6 +36,8 @@ class SessionState:
     """The replica's allocation count when the turn finished (``HorizonEstimator``)."""
     free_mark: float | None = None
     """The replica's free blocks when the turn finished."""
+    blocks_mark: int | None = None
+    """The blocks the turn released when it finished (prompt and output)."""
 
 
 class SessionTable:
@@ -74,12 +76,12 @@ class SessionTable:
         if old is not None:
             previous = SessionState(
                 old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns,
-                old.alloc_mark, old.free_mark,
+                old.alloc_mark, old.free_mark, old.blocks_mark,
             )
             self._bytes -= len(old.tokens)
             old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
             old.finished_at = None
-            old.alloc_mark = old.free_mark = None
+            old.alloc_mark = old.free_mark = old.blocks_mark = None
             old.turns += 1
             self._s.move_to_end(key)
         else:
@@ -96,13 +98,16 @@ class SessionTable:
         *,
         alloc_mark: float | None = None,
         free_mark: float | None = None,
+        blocks_mark: int | None = None,
     ) -> None:
         """The turn routed to ``replica`` finished at ``now`` (with the replica's
-        allocation count and free pool then, when known)."""
+        allocation count and free pool then, and the blocks the turn released, when
+        known)."""
         state = self._s.get(key)
         if state is not None and state.replica == replica:
             state.finished_at = now
             state.alloc_mark, state.free_mark = alloc_mark, free_mark
+            state.blocks_mark = blocks_mark
 
     def _trim(self) -> None:
         while self._s and (

@@ -49,6 +49,44 @@ def inp(
     )
 
 
+# ---------------------------------------------------------------- a session's run under LRU
+
+def test_a_session_run_is_evicted_from_its_end() -> None:
+    # 10 blocks freed (last to first) behind 20 free ones; 25 allocations since: the
+    # queue's head has eaten the 20 and the run's last 5 blocks.  Its first 5 survive.
+    exact = replace(W, horizon_spread=0.0)
+    run = inp(gpu=10, tail_consumed=25 / 20, tail_queue_blocks=20, tail_run_blocks=10)
+    s = score_replica(run, 200, BS, exact)
+    assert s.expected_cached_tokens == 5 * BS and s.predicted_cached_tokens == 5 * BS
+    assert s.p_resident_tail == pytest.approx(0.5)
+    # Without the run's depth every block is taken to be at the queue's front: all gone.
+    front = score_replica(replace(run, tail_queue_blocks=None), 200, BS, exact)
+    assert front.expected_cached_tokens == 0
+    # The queue ahead of the request allocates too (400 tokens = 25 blocks over a free
+    # pool of 50: pressure 0.5), before it is scheduled: 25 + 25 allocations, 10 of 10 gone.
+    queued = replace(run, load=LoadTerms(queued_prefill_tokens=400), free_blocks=50)
+    assert score_replica(queued, 200, BS, exact).expected_cached_tokens == 0
+    # A hot (shared) prefix is not part of the run's ageing; CPU blocks keep their value.
+    hot = score_replica(replace(run, hot_blocks=3), 200, BS, exact)
+    assert hot.expected_cached_tokens == 5 * BS
+    tiered = replace(run, hit=ReplicaHit(2, 8, 0))
+    v_cpu = tier_value(CostModel().cpu_bandwidth_bytes_per_s, CostModel())
+    assert score_replica(tiered, 200, BS, exact).expected_cached_tokens == pytest.approx(
+        (2 + 3 * v_cpu) * BS)
+
+
+def test_a_session_run_ramps_smoothly_with_the_default_spread() -> None:
+    run = inp(gpu=40, tail_consumed=1.5, tail_queue_blocks=40, tail_run_blocks=40)
+    s = score_replica(run, 1000, BS, W)
+    # 60 allocations against depths 79 (block 0) down to 40 (the last block): P ramps
+    # from 1.5 - 60 / 79 = 0.74 at block 0 to 0 at the front (60 / 40 = 1.5).
+    assert 0 < s.expected_cached_tokens < 40 * BS
+    # the point prediction is the leading blocks with P >= 1/2: depth >= 60 -> 20 blocks
+    assert s.predicted_cached_tokens == 20 * BS
+    older = score_replica(replace(run, tail_consumed=2.0), 1000, BS, W)
+    assert older.expected_cached_tokens < s.expected_cached_tokens
+
+
 # ---------------------------------------------------------------- table: score values
 
 @pytest.mark.parametrize(
@@ -302,6 +340,8 @@ inputs = st.builds(
     horizon_s=horizons,
     free_blocks=st.one_of(st.none(), st.floats(min_value=0, max_value=1e5)),
     tail_consumed=st.floats(min_value=0, max_value=10),
+    tail_queue_blocks=st.one_of(st.none(), st.floats(min_value=0, max_value=1e4)),
+    tail_run_blocks=st.integers(min_value=0, max_value=600),
     hot_blocks=blocks,
 )
 
