@@ -9,13 +9,17 @@ ones alike: ``kv_cache_usage_perc`` counts evictable cached blocks as free).  He
 
 * ``free_blocks = num_gpu_blocks * (1 - kv_cache_usage_perc)`` from the scrape, carried
   forward between scrapes by what the router sees happen to the pool: blocks newly
-  allocated (``observe_allocated``) and cached blocks a routed request takes back from the
-  free queue (``observe_reused``) leave it; the blocks of a finished request
-  (``observe_released``) return to it.  A scrape is a snapshot of a pool that changes by
-  whole conversations in milliseconds: when a session's turn finishes, the blocks ahead
-  of its own in the LRU queue include everything other turns freed since the last
-  scrape, which the snapshot alone misses (an eviction predicted that never comes).
-  Traffic the router does not see (another router's) is corrected at the next scrape.
+  allocated (``observe_allocated``, from the KV events) leave it, the blocks of a finished
+  request (``observe_released``) return to it.  A scrape is a snapshot of a pool that
+  changes by whole conversations in milliseconds: when a session's turn finishes, the
+  blocks ahead of its own in the LRU queue include everything other turns freed since
+  the last scrape, which the snapshot alone misses (an eviction predicted that never
+  comes).  Cached blocks a request takes back from the free queue are not subtracted:
+  the router cannot tell them from blocks a concurrent request already holds (a burst
+  sharing a prompt would count the prompt once per request), and a release of blocks
+  still shared is likewise counted in full, so between scrapes the estimate errs high,
+  never low.  Traffic the router does not see (another router's) is corrected at the
+  next scrape.
 * ``allocation_rate``: newly computed blocks per second, an exponentially weighted mean
   over ``tau_s`` of counter deltas: prompt tokens computed (prompt tokens minus prefix
   cache hits, or ``prompt_tokens_by_source{source="local_compute"}`` when exported) plus
@@ -63,7 +67,7 @@ class _Replica:
     __slots__ = (
         "rate", "pending_blocks", "last_rate_t", "free_blocks", "pool_t",
         "last_prompt", "last_gen", "block_size", "allocated", "num_blocks",
-        "reused", "released", "marks",
+        "released", "marks",
     )
 
     def __init__(self) -> None:
@@ -77,18 +81,16 @@ class _Replica:
         self.block_size: int | None = None
         self.allocated = 0.0
         self.num_blocks: float | None = None
-        self.reused = 0.0
         self.released = 0.0
-        self.marks = (0.0, 0.0, 0.0)
-        """``(allocated, reused, released)`` at the last pool observation."""
+        self.marks = (0.0, 0.0)
+        """``(allocated, released)`` at the last pool observation."""
 
     def free_now(self) -> float | None:
         """The scraped free pool, carried forward by what happened since."""
         if self.free_blocks is None:
             return None
-        alloc0, reused0, released0 = self.marks
-        free = (self.free_blocks + (self.released - released0)
-                - (self.allocated - alloc0) - (self.reused - reused0))
+        alloc0, released0 = self.marks
+        free = self.free_blocks + (self.released - released0) - (self.allocated - alloc0)
         upper = self.num_blocks if self.num_blocks is not None else free
         return min(upper, max(0.0, free))
 
@@ -136,7 +138,7 @@ class HorizonEstimator:
         if st.block_size and count_allocations:
             self.observe_allocated(replica, s.t, tokens / st.block_size)
         if pool:  # the counters above are already in the snapshot
-            st.marks = (st.allocated, st.reused, st.released)
+            st.marks = (st.allocated, st.released)
 
     def observe_allocated(self, replica: ReplicaId, t: float, blocks: float) -> None:
         """``blocks`` newly allocated at time ``t`` (from counters or ``BlockStored``)."""
@@ -157,11 +159,6 @@ class HorizonEstimator:
             st.rate += (1.0 - math.exp(-dt / self.tau_s)) * (sample - st.rate)
         st.pending_blocks = 0.0
         st.last_rate_t = t
-
-    def observe_reused(self, replica: ReplicaId, blocks: float) -> None:
-        """A request routed to ``replica`` will take ``blocks`` cached blocks back from
-        the free queue (its predicted prefix hit)."""
-        self._get(replica).reused += max(0.0, blocks)
 
     def observe_released(self, replica: ReplicaId, blocks: float) -> None:
         """A request on ``replica`` finished: its ``blocks`` (prompt and output) return

@@ -18,7 +18,7 @@ Algorithm, per request (``KvPolicy.decide``):
    (waiting, running; a stale scrape is unknown, not zero), the index freshness for that
    replica (event lag, disconnection, recent gaps and resets, receipt calibration), its
    eviction horizon and free pool (``router.horizon``: the scrape carried forward by the
-   blocks this policy's requests reuse and release and the events' allocations) and,
+   blocks this policy's requests release and the events' allocations) and,
    for the session's previous
    replica, how much of its free pool has been allocated since the session's last turn
    finished (LRU: its idle blocks are evicted once that share reaches one).
@@ -528,9 +528,6 @@ class KvPolicy:
         replica = chosen.replica
         if prompt is not None:
             self.provisional.add(replica, prompt.block_keys, now)
-            if decision.predicted_cached_tokens:
-                self.horizon.observe_reused(
-                    replica, decision.predicted_cached_tokens / prompt.block_size)
         if decision.prompt_tokens:
             self._fluid[replica] = (self._fluid_queue(replica, now) + decision.prompt_tokens,
                                     now)

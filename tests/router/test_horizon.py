@@ -86,21 +86,20 @@ def test_free_pool_is_carried_forward_between_scrapes() -> None:
     h.observe_scrape(A, sample(1.0, 0, 0, usage=0.9), count_allocations=False)
     assert h.free_blocks(A, 1.0) == pytest.approx(100)
     # Since the scrape: three turns finished (their blocks return to the free queue),
-    # one request took 30 cached blocks back, 20 blocks were newly allocated.
+    # 20 blocks were newly allocated.
     for _ in range(3):
         h.observe_released(A, 40)
-    h.observe_reused(A, 30)
     h.observe_allocated(A, 1.5, 20)
-    assert h.free_blocks(A, 1.5) == pytest.approx(100 + 120 - 30 - 20)
+    assert h.free_blocks(A, 1.5) == pytest.approx(100 + 120 - 20)
     # bounded by the pool, never negative
     h.observe_released(A, 5000)
     assert h.free_blocks(A, 1.6) == 1000
     h.observe_allocated(A, 1.7, 9000)
     assert h.free_blocks(A, 1.7) == 0
-    # the next scrape is the new baseline; the horizon stays a scrape-level figure
+    # the next scrape is the new baseline
     h.observe_scrape(A, sample(2.0, 0, 0, usage=0.5), count_allocations=False)
     assert h.free_blocks(A, 2.0) == pytest.approx(500)
-    h.observe_reused(A, -5)  # nonsense is ignored
+    h.observe_released(A, -5)  # nonsense is ignored
     assert h.free_blocks(A, 2.0) == pytest.approx(500)
     assert h.free_blocks(A, 8.0) is None  # stale
 

@@ -339,18 +339,21 @@ async def test_gauge_rows_report_load_terms(registry: RendererRegistry) -> None:
 async def test_the_pool_estimate_follows_the_policys_requests(
     registry: RendererRegistry,
 ) -> None:
-    # A routed hit takes its cached blocks back from the free queue; a finished request
-    # returns its prompt and output blocks: the free pool between two scrapes follows.
+    # A finished request returns its prompt and output blocks to the pool: the free pool
+    # between two scrapes follows (a routed hit's blocks are not taken off: see
+    # router.horizon).
     env = Env(registry)
     h = env.policy.horizon
     h.observe_scrape(R[1], PoolSample(env.clock.t, 16, 1000, 0.5, None, None),
                      count_allocations=False)
-    r = req(chat("pool please", "a", "b"))
+    r = req(chat("pool please", "a", "b"), session="pool")
     await env.hold(R[1], req(chat("pool please")))
     d = await env.policy.route(r, R)
     assert d.replica == R[1] and d.predicted_cached_tokens
-    reused = d.predicted_cached_tokens / 16
-    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500 - reused)
+    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500)
     env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=330, cached_tokens=0,
                                     completion_tokens=20))
-    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500 - reused + 22)  # 350 / 16
+    assert h.free_blocks(R[1], env.clock.t) == pytest.approx(500 + 22)  # 350 / 16
+    # the session's turn remembers the pool ahead of its blocks and its run's size
+    state = env.policy.sessions.get("pool")
+    assert state is not None and (state.free_mark, state.blocks_mark) == (500, 22)
