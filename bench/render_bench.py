@@ -202,23 +202,13 @@ class Series:
         assert renderer is not None
         samples = self.samples
         _reset(registry, target)
-        request = _parsed(self.body)
-        w0, c0 = _clock()
-        registry.render_chat(request)
-        w1, c1 = _clock()
-        samples["cold"].append(w1 - w0)
-        samples["cold_cpu"].append(c1 - c0)
+        self._timed("cold", "cold_cpu")
         previous = self.previous
         if previous is None:
             return
         before = _follow(registry, target, model, messages).num_tokens  # the prompt is dropped
         self.new_tokens = self.prompt.num_tokens - before
-        request = _parsed(self.body)
-        w0, c0 = _clock()
-        registry.render_chat(request)
-        w1, c1 = _clock()
-        samples["warm"].append(w1 - w0)
-        samples["warm_cpu"].append(c1 - c0)
+        self._timed("warm", "warm_cpu")
         # The same warm turn again, phase by phase.
         _follow(registry, target, model, messages)
         request = _parsed(self.body)
@@ -237,18 +227,22 @@ class Series:
         # Turn N right after turn N-1 was rendered cold into emptied caches.
         _reset(registry, target)
         registry.render_chat(_parsed(previous))
-        request = _parsed(self.body)
-        c0 = time.thread_time()
-        registry.render_chat(request)
-        samples["cold_prev_cpu"].append(time.thread_time() - c0)
+        self._timed(None, "cold_prev_cpu")
         # Turn N when the router pre-warmed turn N-1's reply while the client read it
         # (``prewarm_reply``): only the new user message is tokenised on the path.
         _follow(registry, target, model, messages)
         registry.prewarm_reply(_parsed(previous), messages[-2]["content"])
+        self._timed(None, "prewarmed_cpu")
+
+    def _timed(self, wall_key: str | None, cpu_key: str) -> None:
+        """Render this turn's request (freshly parsed) and record its wall and CPU time."""
         request = _parsed(self.body)
-        c0 = time.thread_time()
-        registry.render_chat(request)
-        samples["prewarmed_cpu"].append(time.thread_time() - c0)
+        w0, c0 = _clock()
+        self.registry.render_chat(request)
+        w1, c1 = _clock()
+        if wall_key is not None:
+            self.samples[wall_key].append(w1 - w0)
+        self.samples[cpu_key].append(c1 - c0)
 
     def row(self) -> dict[str, Any]:
         """The figures of this turn count, as the JSON's ``rows`` hold them."""
