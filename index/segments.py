@@ -361,15 +361,8 @@ class SegmentEncoder:
         """Cache ``ids`` for ``key``; unless ``shared``, map them to the shared ints."""
         self.stats.misses += 1
         self.stats.tokens_encoded += len(ids)
-        try:  # ids are never negative
-            if shared:
-                pass
-            elif len(ids) > 1:
-                ids = list(itemgetter(*ids)(self._ints))
-            elif ids:
-                ids = [self._ints[ids[0]]]
-        except IndexError:
-            pass  # an id past the vocabulary: keep the tokenizer's own ints
+        if not shared:
+            ids = self._shared_ints(ids)
         seg: Segment = (next(self._serials), ids)
         if len(ids) > self._max_tokens:
             return seg
@@ -380,6 +373,16 @@ class SegmentEncoder:
             self._cached_tokens -= len(old)
             self.stats.evictions += 1
         return seg
+
+    def _shared_ints(self, ids: list[int]) -> list[int]:
+        """``ids`` as the vocabulary's shared int objects (ids are never negative; an id
+        past the vocabulary keeps the tokenizer's own ints)."""
+        try:
+            if len(ids) > 1:
+                return list(itemgetter(*ids)(self._ints))
+            return [self._ints[ids[0]]] if ids else ids
+        except IndexError:
+            return ids
 
     def _probes(self) -> list[str]:
         tokens = sorted(self._added_ids)[:64]

@@ -437,27 +437,30 @@ def score_replica(
         pressure += _in_horizons(wait_s, inp.horizon_s)
     spread = w.horizon_spread
     p_hot = resident_probability(pressure, spread)
-    if g < usable and tier_values is None:
-        tier_values = _tier_values(inp.costs)
-    tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
-    weighted = p_hot * tiers.value(0, hot)
     predicted = hot if p_index * p_hot >= 0.5 else 0
     depth0 = inp.tail_queue_blocks
     consumed = max(0.0, inp.tail_consumed)
-    if depth0 is None or depth0 <= 0 or consumed <= 0:
+    if g < usable and tier_values is None:
+        tier_values = _tier_values(inp.costs)
+    if depth0 is None or depth0 <= 0 or consumed <= 0:  # every tail block at the front
         p_tail = resident_probability(pressure + consumed, spread)
-        weighted += p_tail * tiers.value(hot, usable)
         predicted += usable - hot if p_index * p_tail >= 0.5 else 0
+        if g == usable:  # all on GPU: the common case
+            weighted = p_hot * hot + p_tail * (usable - hot)
+        else:
+            tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
+            weighted = p_hot * tiers.value(0, hot) + p_tail * tiers.value(hot, usable)
     else:
         # Block i of the session's run left the LRU queue's head ``depth0 + run - 1 - i``
         # blocks away (freed last to first): it is gone once that many blocks have been
         # allocated, so the run is evicted from its end and its leading blocks survive.
+        tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
         free_ref = inp.free_blocks if inp.free_blocks is not None else depth0
         allocations = consumed * depth0 + pressure * free_ref
         weighted_tail, resident, total = _tail_run(
             allocations, depth0, inp.tail_run_blocks, hot, usable, p_hot, spread, tiers, p_index,
         )  # fmt: skip
-        weighted += weighted_tail
+        weighted = p_hot * tiers.value(0, hot) + weighted_tail
         predicted += resident
         front = total / (usable - hot) if usable > hot else resident_probability(
             allocations / depth0, spread)
