@@ -120,11 +120,11 @@ class HorizonEstimator:
         st = self._get(replica)
         if s.block_size:
             st.block_size = s.block_size
-        pool = s.num_gpu_blocks is not None and s.kv_usage is not None
-        if pool:
-            usage = min(1.0, max(0.0, s.kv_usage or 0.0))
-            st.num_blocks = float(s.num_gpu_blocks or 0)
-            st.free_blocks = st.num_blocks * (1.0 - usage)
+        pool = False
+        if s.num_gpu_blocks is not None and s.kv_usage is not None:
+            pool = True
+            st.num_blocks = float(s.num_gpu_blocks)
+            st.free_blocks = st.num_blocks * (1.0 - min(1.0, max(0.0, s.kv_usage)))
             st.pool_t = s.t
         tokens = 0.0
         if s.computed_prompt_tokens_total is not None:
