@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.scoring import ReplicaScore, ScoringWeights, pick
 
 __all__ = ["Choice", "ChoiceRules", "Fallback", "affinity_order", "choose"]

@@ -73,10 +73,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from index.prompt import Prompt
 from index.status import SourceStatus
 from index.store import IndexUnavailable, KVIndex
-from index.types import PrefixHits, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaId
+from prompt.keyer import Prompt
 from router.affinity import AffinityKey, AffinityRing, affinity_key
 from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose

@@ -22,7 +22,7 @@ from typing import Any, Generic, Literal, Protocol
 
 from typing_extensions import TypeVar
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 Endpoint = Literal["chat", "completions", "other"]
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from index.status import SourceStatus
-from index.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
 from router.horizon import HorizonEstimator
 from router.load import LoadTracker
 from router.receipts import ReceiptCalibration

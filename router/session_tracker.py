@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import math
 
-from index.prompt import Prompt
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
+from prompt.keyer import Prompt
 from router.affinity import AffinityKey
 from router.horizon import HorizonEstimator, classify_return
 from router.metrics import KvMetrics

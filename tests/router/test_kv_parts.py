@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from index.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
 from router.affinity import AffinityKey
 from router.horizon import HorizonEstimator, PoolSample
 from router.kv_choice import ChoiceRules, Fallback, choose
