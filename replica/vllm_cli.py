@@ -69,7 +69,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "print the replica entry for the router config. Arguments after -- go to vLLM.",
     )
     v.add_argument("--model", required=True, help="model directory or id")
-    v.add_argument("--served-model-name", required=True)
+    v.add_argument("--served-model-name", required=True,
+                   help="the name clients send in 'model' (the router's model key)")
     v.add_argument("--port", type=int, required=True, help="HTTP port")
     v.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     v.add_argument("--id", dest="replica_id", default=None, help="replica id (host:port)")
@@ -97,12 +98,15 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default=None,
         help="pool size in blocks, including vLLM's null block",
     )
-    v.add_argument("--max-model-len", type=int, default=None)
+    v.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM's --max-model-len (default: vLLM's, from the model)")
     cpu = v.add_mutually_exclusive_group()
     cpu.add_argument("--cpu", dest="cpu", action="store_true", default=None,
                      help="CPU build settings (default: when no GPU is found)")
-    cpu.add_argument("--gpu", dest="cpu", action="store_false")
-    v.add_argument("--cpu-kvcache-gib", type=int, default=1)
+    cpu.add_argument("--gpu", dest="cpu", action="store_false",
+                     help="GPU settings (default: when a GPU is found)")
+    v.add_argument("--cpu-kvcache-gib", type=int, default=1,
+                   help="CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     v.add_argument("--dtype", default=None,
                    help="vLLM's --dtype (default: float32 on the CPU build, else vLLM's choice)")
     v.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1")
@@ -111,11 +115,17 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     v.add_argument("extra", nargs=argparse.REMAINDER, help="-- then vLLM arguments")
     v.set_defaults(func=_run_vllm)
 
-    t = rsub.add_parser("tiny-model", help="write the tiny random Llama + tokenizer")
-    t.add_argument("--out", required=True, type=Path)
-    t.add_argument("--template", choices=("llama3", "chatml"), default="llama3")
-    t.add_argument("--vocab-size", type=int, default=2000)
-    t.add_argument("--seed", type=int, default=0)
+    t = rsub.add_parser(
+        "tiny-model", help="write the tiny random Llama + tokenizer",
+        description="Write a tiny random Llama checkpoint with a locally trained tokenizer "
+        "and a chat template: a model vLLM's CPU build serves in seconds, for tests and "
+        "for trying kvroute without a GPU (its tokenizer also serves kvroute sim).",
+    )
+    t.add_argument("--out", required=True, type=Path, help="directory to write the model to")
+    t.add_argument("--template", choices=("llama3", "chatml"), default="llama3",
+                   help="chat template family")
+    t.add_argument("--vocab-size", type=int, default=2000, help="tokenizer vocabulary size")
+    t.add_argument("--seed", type=int, default=0, help="seeds the weights and the tokenizer")
     t.set_defaults(func=_run_tiny_model)
 
 

@@ -48,7 +48,6 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
         description="Run the kvroute router: an OpenAI-compatible streaming reverse proxy "
         "that routes each request to one of the replicas.",
         epilog=_SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--host", default=None,
                    help="address to listen on (default 127.0.0.1; setting: host)")
@@ -92,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         cli["log_level"] = args.log_level
     try:
         settings = RouterSettings.load(config_file=args.config, cli=cli)
+        check_model_files(settings)
         app = create_app(settings)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
@@ -104,9 +104,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}",
+        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: "
+              f"{exc.strerror or exc} (another process holds the port? pick another --port)",
               file=sys.stderr)
         return 1
+    _log_start(settings, sock.getsockname()[1])
     server = uvicorn.Server(config)
     _tune_gc()
     try:
@@ -114,6 +116,35 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def check_model_files(settings: RouterSettings) -> None:
+    """``ConfigError`` naming the field when a model's local tokenizer cannot be found
+    (before anything starts: the renderers load it at start-up)."""
+    from index.tokenizer import resolve_model_dir
+    from router.config import ConfigError
+
+    for i, model in enumerate(settings.scoring.models):
+        if model.tokenizer is None:
+            continue
+        try:
+            resolve_model_dir(model.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"invalid kvroute configuration:\n  scoring.models.{i}.tokenizer: {exc} "
+                f"(model {model.name!r}: set it to a local directory with tokenizer.json or "
+                "a Hugging Face id in the local cache, or leave it out to render on the "
+                "replicas)") from exc
+
+
+def _log_start(settings: RouterSettings, port: int) -> None:
+    import logging
+
+    log = logging.getLogger("kvroute.serve")
+    log.info("listening on http://%s:%d (policy %s, index %s)", settings.host, port,
+             settings.policy, settings.index.backend)
+    for replica in settings.replicas:
+        log.info("replica %s: %s", replica.id, replica.url)
 
 
 def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
