@@ -202,3 +202,16 @@ async def test_sigterm_cancels_streams_after_grace(fakes: StartFakes,
         await asyncio.sleep(0.02)
     assert seen.cancelled
 
+
+
+def test_serve_logs_its_address_and_replicas(caplog: pytest.LogCaptureFixture) -> None:
+    from router.cli import _log_start
+
+    settings = RouterSettings.load(cli={"replicas": ["http://127.0.0.1:8001",
+                                                     "http://127.0.0.1:8002"]}, env={})
+    with caplog.at_level("INFO", logger="kvroute.serve"):
+        _log_start(settings, 43210)
+    text = caplog.text
+    assert "listening on http://127.0.0.1:43210 (policy kv, index memory)" in text
+    assert "replica 127.0.0.1:8001: http://127.0.0.1:8001" in text
+    assert "replica 127.0.0.1:8002: http://127.0.0.1:8002" in text

@@ -187,6 +187,9 @@ async def test_multi_turn_conversations_land_where_their_cache_is(
     assert f.metric("router_session_turns_total", policy="kv", placement="same_replica") >= 45
     assert sum(f.metric("router_kv_prediction_disagreements_total", replica=f"r{i}",
                         direction="over") for i in range(N_REPLICAS)) == 0
+    # a local tokenizer: no prompt went to a replica's /tokenize
+    assert f.metric("router_tokenize_fallbacks_total") == 0
+    assert f.metric("router_tokenize_requests_total") == 0
 
 
 async def test_shared_system_prompt_spreads_under_concurrency_and_when_paced(
@@ -309,6 +312,14 @@ async def test_unconfigured_router_discovers_events_and_renders_on_replicas(
     assert {c.turns[0].reason for c in convs} == {"kv_new"}
     assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
     assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
+    # every prompt was rendered by a replica, and /metrics says so
+    assert f.metric("router_tokenize_fallbacks_total") >= 16
+    assert f.metric("router_tokenize_requests_total") >= 1
+    assert f.metric("router_tokenize_errors_total") == f.metric(
+        "router_tokenize_timeouts_total") == 0
+    async with f.http.get(f.router + "/metrics") as resp:
+        text = await resp.text()
+    assert "router_tokenize_fallbacks_total" in text
 
 
 async def test_two_routers_share_one_redis_index(
