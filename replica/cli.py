@@ -1,7 +1,7 @@
 """Subcommands of ``kvroute`` that belong to ``replica``.
 
-* ``kvroute sim``: a simulated vLLM V1 replica (``replica.sim_server``).
-* ``kvroute replica vllm ...``: real vLLM, registered by ``replica.vllm_cli`` (see below).
+* ``kvroute sim``: a simulated vLLM V1 replica (``replica.sim.server``).
+* ``kvroute replica vllm ...``: real vLLM, registered by ``replica.vllm.cli`` (see below).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from replica import vllm_cli
+from replica.vllm import cli as vllm_cli
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -36,7 +36,7 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks incl. the null block (default: from the profile)")
     p.add_argument("--profile", default="default",
-                   help="timing profile: default or llama-3.1-8b-h100 (replica.profiles)")
+                   help="timing profile: default or llama-3.1-8b-h100 (replica.sim.profiles)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second (1 = real time, 0.01 = 100x "
                    "faster, 0 = virtual time, as fast as the CPU allows)")
@@ -86,7 +86,7 @@ def _run_sim(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return _serve_sim(args)
-    except FileNotFoundError as exc:  # the tokenizer (index.tokenizer.TokenizerNotFound)
+    except FileNotFoundError as exc:  # the tokenizer (prompt.tokenizer.TokenizerNotFound)
         if args.log_level == "debug":
             raise
         print(f"kvroute sim: --tokenizer {args.tokenizer}: {exc} (a directory with "
@@ -106,7 +106,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _serve_sim(args: argparse.Namespace) -> int:
     import asyncio
 
-    from replica.sim_main import serve_forever
+    from replica.sim.main import serve_forever
 
     try:
         import uvloop

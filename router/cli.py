@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from router import indexer
+from router import kv_stack
 
 if TYPE_CHECKING:
     import uvicorn
@@ -38,7 +38,7 @@ _GC_YOUNG = 20_000
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_serve(sub)
-    indexer.register(sub)
+    kv_stack.register(sub)
 
 
 def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
@@ -121,7 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
 def check_model_files(settings: RouterSettings) -> None:
     """``ConfigError`` naming the field when a model's local tokenizer cannot be found
     (before anything starts: the renderers load it at start-up)."""
-    from index.tokenizer import resolve_model_dir
+    from prompt.tokenizer import resolve_model_dir
     from router.config import ConfigError
 
     for i, model in enumerate(settings.scoring.models):

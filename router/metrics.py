@@ -39,7 +39,7 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from router.load import LoadTracker
-    from router.replicas import ReplicaRegistry
+    from router.replica_registry import ReplicaRegistry
 
 __all__ = [
     "REMOTE_RENDER_COUNTERS",
@@ -450,7 +450,7 @@ class _KvStateCollector:
 
 
 class RemoteRenderCounters(Protocol):
-    """The remote-rendering counters (``index.remote_render.RemoteRenderStats``)."""
+    """The remote-rendering counters (``prompt.remote_render.RemoteRenderStats``)."""
 
     fallbacks: int
     cache_hits: int

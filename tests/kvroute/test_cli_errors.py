@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
-from replica.tiny_tokenizer import build_tokenizer
+from replica.vllm.tiny_tokenizer import build_tokenizer
 
 REPLICA = "http://127.0.0.1:9"
 

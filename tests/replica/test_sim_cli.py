@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvroute.cli import build_parser
-from replica.sim_main import settings_from_args
+from replica.sim.main import settings_from_args
 
 
 def test_sim_flags_reach_the_settings() -> None:
@@ -46,7 +46,7 @@ def test_the_printed_line_pastes_into_a_router_config(tmp_path: Path) -> None:
     import orjson
     import yaml
 
-    from replica.tiny_tokenizer import build_tokenizer
+    from replica.vllm.tiny_tokenizer import build_tokenizer
     from router.config import RouterSettings
 
     tok = build_tokenizer(tmp_path / "tok", template="llama3")

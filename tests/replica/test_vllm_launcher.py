@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from kvroute.cli import main
-from replica.vllm_cli import event_ports
-from replica.vllm_launcher import (
+from replica.vllm.cli import event_ports
+from replica.vllm.launcher import (
     VllmReplicaSpec,
     build_command,
     build_env,
