@@ -63,6 +63,9 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
                    help="routing policy: kv (KV-cache aware, the default), session, "
                    "round_robin, least_loaded or random; a request may pick another with "
                    "the X-KVRoute-Policy header (setting: policy)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body accepted; larger ones get 413 (default "
+                   "8388608, 8 MiB; setting: max_body_bytes)")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; setting: log_level)")
@@ -87,6 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
         cli["replicas"] = [{"url": url} for url in args.replica]
     if args.policy is not None:
         cli["policy"] = args.policy
+    if args.max_body_bytes is not None:
+        cli["max_body_bytes"] = args.max_body_bytes
     if args.log_level is not None:
         cli["log_level"] = args.log_level
     try:
