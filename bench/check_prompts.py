@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -378,27 +378,47 @@ class Checker:
         return Cause.HISTORY_EDITED, "the reply was changed before it was sent back"
 
 
+class TranscriptError(ValueError):
+    """A transcript file that cannot be read; the message names the file and line."""
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed JSON)`` of each non-blank line of ``path``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TranscriptError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}"
+                              ) from exc
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TranscriptError(f"{path}:{n}: not JSON ({exc.msg} at column "
+                                      f"{exc.colno}); each line is one JSON value") from exc
+
+
 def load_transcripts(
     path: Path, generated: Path | None = None
 ) -> dict[str, list[Turn]]:
     """Read a transcript JSONL (and optionally a generated-ids log) into sessions."""
     gen_ids: dict[tuple[str, int], tuple[int, ...]] = {}
     if generated is not None:
-        for line in generated.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                obj = json.loads(line)
+        for n, obj in _jsonl(generated):
+            try:
                 gen_ids[(str(obj.get("session", "")), int(obj["turn"]))] = tuple(
                     obj["token_ids"]
                 )
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                raise TranscriptError(f"{generated}:{n}: expected an object with turn and "
+                                      f"token_ids ({exc!r})") from exc
     sessions: dict[str, list[Turn]] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        obj = json.loads(line)
+    for n, obj in _jsonl(path):
         if isinstance(obj, list):
             obj = {"messages": obj}
         if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
-            raise ValueError(f"{path}:{n}: expected a message list or an object with messages")
+            raise TranscriptError(
+                f"{path}:{n}: expected a message list or an object with messages")
         session = str(obj.get("session", ""))
         turns = sessions.setdefault(session, [])
         ids = obj.get("generated_token_ids")

@@ -70,13 +70,13 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
         description="Start a simulated fleet and kvroute, drive a multi-turn workload with "
         "think time through each routing policy in turn, and print prefill computed, "
         "cached share, TTFT p50/p90/p99, same-replica share and the oracle bound; "
-        "writes summary.json, results.jsonl and PNG plots to --out.",
+        "writes the table (table.txt), summary.json, results.jsonl and PNG plots to --out.",
     )
     p.add_argument("--out", type=Path, default=Path("kvroute-demo-out"),
                    help="output folder (default ./kvroute-demo-out)")
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--replicas", type=int, default=4, help="simulated replicas")
     p.add_argument("--policies", default=",".join(POLICIES),
-                   help=f"comma-separated (default {','.join(POLICIES)})")
+                   help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--sessions", type=int, default=None, help="conversations (default 16)")
     p.add_argument("--turns", type=int, default=None, help="turns each (default 10)")
     p.add_argument("--num-blocks", type=int, default=None,
@@ -85,9 +85,9 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
                    help="wall seconds per simulated second (default 0.1)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="generated tokens per turn (default 16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     p.add_argument("--json", action="store_true", help="print summary.json instead of the table")
     p.set_defaults(func=_demo)
 
@@ -98,13 +98,17 @@ def _demo(args: argparse.Namespace) -> int:
     from bench.demo import DemoOptions, render_result, run_demo
     from bench.fleet import FleetError
 
-    opts = DemoOptions(out=args.out, replicas=args.replicas,
-                       policies=tuple(p for p in args.policies.split(",") if p),
-                       seed=args.seed, progress=not args.no_progress, plots=not args.no_plots)
-    for name in ("sessions", "turns", "num_blocks", "time_scale", "max_tokens"):
-        value = getattr(args, name)
-        if value is not None:
-            opts = replace(opts, **{name: value})
+    changes = {name: getattr(args, name) for name in
+               ("sessions", "turns", "num_blocks", "time_scale", "max_tokens")
+               if getattr(args, name) is not None}
+    try:
+        opts = replace(DemoOptions(), out=args.out, replicas=args.replicas,
+                       policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+                       seed=args.seed, progress=not args.no_progress, plots=not args.no_plots,
+                       **changes)
+    except ValueError as exc:
+        print(f"kvroute demo: {exc}", file=sys.stderr)
+        return 2
     try:
         result = _run(run_demo(opts, say=_say))
     except FleetError as exc:
@@ -138,12 +142,16 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     )
     bsub = p.add_subparsers(dest="bench_command", metavar="ACTION", required=True)
 
-    g = bsub.add_parser("generate", help="write a workload trace (JSONL)")
+    g = bsub.add_parser("generate", help="write a workload trace (JSONL)",
+                        description="Write a multi-turn workload trace (JSONL, one turn a "
+                        "line) and print its summary.")
     _workload_args(g)
     g.add_argument("--out", type=Path, required=True, help="trace file to write")
     g.set_defaults(func=_bench_generate)
 
-    r = bsub.add_parser("run", help="replay a trace against an OpenAI-compatible URL")
+    r = bsub.add_parser("run", help="replay a trace against an OpenAI-compatible URL",
+                        description="Replay a trace (or a generated workload) open-loop "
+                        "against any OpenAI-compatible endpoint and print the summary table.")
     r.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8080")
     r.add_argument("--model", required=True, help="model for trace lines that name none")
     _workload_args(r)
@@ -163,15 +171,17 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     _workload_args(c)
     _replay_args(c)
     _fleet_args(c)
-    c.add_argument("--policies", default="round_robin,least_loaded,session,kv")
+    c.add_argument("--policies", default="round_robin,least_loaded,session,kv",
+                   help="comma-separated router policies to compare")
     c.add_argument("--peer", action="append", default=[], metavar="SPEC",
                    help="name=NAME;cmd=COMMAND with {port} and {workers};ready=/health "
                    "(repeatable)")
     c.add_argument("--sweep", action="append", default=[], metavar="AXIS=V1,V2",
                    help="vary replicas, num_blocks or think (a factor on think times); "
                    "repeatable, one axis at a time")
-    c.add_argument("--out", type=Path, default=Path("kvroute-bench-out"))
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--out", type=Path, default=Path("kvroute-bench-out"),
+                   help="output folder (summary JSON, results, plots)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_bench_compare)
 
 
@@ -180,23 +190,35 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("workload (ignored with --trace)")
     w.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace")
-    w.add_argument("--preset", choices=PRESETS, default="main")
-    w.add_argument("--sessions", type=int, default=None)
+    w.add_argument("--preset", choices=PRESETS, default="main",
+                   help="main: 1,500-token system prompt per tenant, 150-token questions, "
+                   "350-token replies, 10 turns; small: scaled down; shared: one system "
+                   "prompt for all; unique: one per user")
+    w.add_argument("--sessions", type=int, default=None,
+                   help="conversations (default: the preset's)")
     w.add_argument("--arrival-rate", type=float, default=None,
                    help="new conversations per second (Poisson)")
     w.add_argument("--turns", default=None, help="distribution, e.g. 10 or uniform:4,12")
     w.add_argument("--system-tokens", default=None, help="e.g. 1500 or lognormal:1500,0.3")
-    w.add_argument("--user-tokens", default=None)
-    w.add_argument("--reply-tokens", default=None)
-    w.add_argument("--sharing", choices=("shared", "tenant", "unique"), default=None)
-    w.add_argument("--tenants", type=int, default=None)
+    w.add_argument("--user-tokens", default=None,
+                   help="user message length distribution (default: the preset's)")
+    w.add_argument("--reply-tokens", default=None,
+                   help="reply length distribution (default: the preset's)")
+    w.add_argument("--sharing", choices=("shared", "tenant", "unique"), default=None,
+                   help="who shares a system prompt (default: the preset's, tenant)")
+    w.add_argument("--tenants", type=int, default=None,
+                   help="tenants (system prompts) with --sharing tenant (default: the preset's)")
     w.add_argument("--salted", action="store_true", help="a cache_salt per tenant")
     w.add_argument("--think-median", type=float, default=None, help="seconds")
-    w.add_argument("--think-sigma", type=float, default=None)
-    w.add_argument("--think-tail-share", type=float, default=None)
+    w.add_argument("--think-sigma", type=float, default=None,
+                   help="log-normal sigma of think times (default: the preset's)")
+    w.add_argument("--think-tail-share", type=float, default=None,
+                   help="share of long pauses (default: the preset's)")
     w.add_argument("--think-tail-median", type=float, default=None, help="seconds")
-    w.add_argument("--tokens-per-word", type=float, default=None)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--tokens-per-word", type=float, default=None,
+                   help="converts token lengths to words (default: measured on the "
+                   "tokenizer where there is one, else 1.0)")
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload")
 
 
 def _replay_args(p: argparse.ArgumentParser) -> None:
@@ -206,17 +228,18 @@ def _replay_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replies", choices=("trace", "actual"), default="trace",
                    help="history carries the trace's fixed replies (default) or the real ones")
     r.add_argument("--max-tokens", type=int, default=None, help="cap generated tokens per turn")
-    r.add_argument("--no-stream", action="store_true")
+    r.add_argument("--no-stream", action="store_true", help="send non-streaming requests")
     r.add_argument("--sim-timing", action="store_true",
                    help="ask simulated replicas for simulated TTFT")
 
 
 def _fleet_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("simulated fleet")
-    f.add_argument("--replicas", type=int, default=4)
-    f.add_argument("--block-size", type=int, default=16)
+    f.add_argument("--replicas", type=int, default=4, help="simulated replicas")
+    f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     f.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per replica")
-    f.add_argument("--profile", default="llama-3.1-8b-h100")
+    f.add_argument("--profile", default="llama-3.1-8b-h100",
+                   help="the simulated replicas' timing profile")
     f.add_argument("--tokenizer", type=Path, default=None,
                    help="tokenizer directory (default: build the tiny one in --out)")
 
@@ -338,6 +361,8 @@ def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
         "would and report, per turn, tokens, shared prefix, reusable blocks and share of "
         "the previous prompt; for turns under the threshold, the first differing token, "
         "its message and a likely cause.",
+        epilog="exit status: 0 no turn flagged; 1 turns flagged (under --threshold), so it "
+        "can gate a CI job; 2 unreadable input (file, JSON line, tokenizer)",
     )
     p.add_argument("transcripts", type=Path, help="transcript JSONL")
     src = p.add_mutually_exclusive_group(required=True)
@@ -347,16 +372,20 @@ def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--model", default=None, help="model name for --url")
     p.add_argument("--generated", type=Path, default=None,
                    help="JSONL of {session, turn, token_ids}: the engine's generated ids")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block, as the replicas'")
     p.add_argument("--threshold", type=float, default=0.9,
                    help="flag turns keeping less than this share (default 0.9)")
-    p.add_argument("--json", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
+    p.add_argument("--json", action="store_true",
+                   help="print the JSON report instead of the table")
     p.set_defaults(func=_check_prompts)
 
 
 def _check_prompts(args: argparse.Namespace) -> int:
     from bench.check_prompts import (
         Checker,
+        TranscriptError,
         format_table,
         http_tokenizer,
         load_transcripts,
@@ -364,15 +393,30 @@ def _check_prompts(args: argparse.Namespace) -> int:
         to_json,
     )
 
-    tok = (http_tokenizer(args.url, args.model) if args.url
-           else local_tokenizer(args.tokenizer))
+    try:
+        sessions = load_transcripts(args.transcripts, args.generated)
+    except TranscriptError as exc:
+        print(f"kvroute check-prompts: {exc}", file=sys.stderr)
+        return 2
+    if args.url:
+        tok = http_tokenizer(args.url, args.model)
+    else:
+        try:
+            tok = local_tokenizer(args.tokenizer)
+        except (OSError, ValueError, LookupError) as exc:
+            print(f"kvroute check-prompts: --tokenizer {args.tokenizer}: {exc} (a model "
+                  "directory with tokenizer.json and a chat template)", file=sys.stderr)
+            return 2
     checker = Checker(tok, block_size=args.block_size, threshold=args.threshold)
-    sessions = load_transcripts(args.transcripts, args.generated)
     reports = [checker.check_session(turns, name) for name, turns in sessions.items()]
-    print(format_table(reports, args.block_size))
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(reports), indent=2) + "\n")
-    return 0
+    doc = json.dumps(to_json(reports), indent=2) + "\n"
+    if args.json:
+        sys.stdout.write(doc)
+    else:
+        print(format_table(reports, args.block_size))
+    if args.out is not None:
+        args.out.write_text(doc)
+    return 1 if any(r.flagged for r in reports) else 0
 
 
 # ---- probe-horizon -------------------------------------------------------------------
@@ -393,7 +437,7 @@ def _register_probe(sub: argparse._SubParsersAction[Any]) -> None:
                         help="probe a simulated replica started for the purpose")
     p.add_argument("--model", default=None, help="model name (required with --url)")
     p.add_argument("--pauses", default="0,10,30,60,120", help="seconds, comma-separated")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="probes per pause")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="turn-1 prompt size (default 1024; with --sim 512)")
     p.add_argument("--time-scale", type=float, default=None,
@@ -401,11 +445,14 @@ def _register_probe(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--background-rps", type=float, default=None,
                    help="background requests per second of unique prompts (default 0; "
                    "with --sim 1)")
-    p.add_argument("--background-tokens", type=int, default=512)
+    p.add_argument("--background-tokens", type=int, default=512,
+                   help="prompt tokens of each background request")
     p.add_argument("--warmup", type=float, default=None,
                    help="seconds of background load before probing (default 0; with --sim 60)")
     p.add_argument("--num-blocks", type=int, default=2048, help="--sim: KV blocks")
-    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    p.add_argument("--json", action="store_true",
+                   help="print the JSON result instead of the table")
     p.set_defaults(func=_probe)
 
 
@@ -432,9 +479,13 @@ def _probe(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvroute probe-horizon: interrupted", file=sys.stderr)
         return 130
-    print(format_table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    doc = json.dumps(result.to_json(), indent=2) + "\n"
+    if args.json:
+        sys.stdout.write(doc)
+    else:
+        print(format_table(result))
+    if args.out is not None:
+        args.out.write_text(doc)
     return 0
 
 

@@ -11,8 +11,9 @@ Steps (all children of this process, all stopped at the end, on errors and on Ct
 4. For each policy: empty the replicas' caches, start ``kvroute serve --policy P`` (the
    in-memory index, fed by the replicas' KV events), replay the trace open loop.
 5. Compute the oracle bound from the replicas' own tokenisation of the trace.
-6. Print the table; write ``summary.json``, ``results.jsonl``, ``trace.jsonl`` and the
-   plots ``ttft-distribution.png`` and ``ttft-by-turn.png`` in the output folder.
+6. Print the table; write it to ``table.txt``, and ``summary.json``, ``results.jsonl``,
+   ``trace.jsonl`` and the plots ``ttft-distribution.png`` and ``ttft-by-turn.png``, in
+   the output folder.
 
 Sized for two minutes on two cores, in simulated time: generation is capped
 (``--max-tokens``, default 16) while the history grows by the trace's 350-token replies
@@ -73,6 +74,19 @@ class DemoOptions:
     seed: int = 0
     progress: bool = True
     plots: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown or not self.policies:
+            raise ValueError(f"unknown policy {', '.join(unknown) or '(none given)'}: "
+                             f"--policies takes a comma-separated list from {', '.join(POLICIES)}")
+        for name, least in (("replicas", 1), ("sessions", 1), ("turns", 1), ("num_blocks", 2),
+                            ("max_tokens", 1), ("tenants", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, "
+                                 f"got {getattr(self, name)}")
+        if not self.time_scale > 0:
+            raise ValueError(f"--time-scale must be above 0, got {self.time_scale}")
 
     def workload(self, tpw: float) -> WorkloadSpec:
         """The workload for a tokenizer with ``tpw`` tokens per generated word."""
@@ -162,6 +176,8 @@ def _finish(
     ]
     table = report.format_table(summaries, oracle)
     result = DemoResult(table, summaries, oracle, skipped=skipped)
+    (out / "table.txt").write_text(table + "\n")
+    result.files["table"] = str(out / "table.txt")
     with (out / "results.jsonl").open("w") as fh:
         for r in done:
             for x in r.results:

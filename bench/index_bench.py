@@ -1,6 +1,6 @@
 """KV index benchmark: ingest throughput, lookup latency, memory per block.
 
-``python -m bench.index_bench [--blocks 1000000] [--redis-url URL | --no-redis] [--json FILE]``
+``python -m bench.index_bench [--blocks 1000000] [--redis-url URL | --no-redis] [--out FILE]``
 
 What it measures (targets from the index issue):
 
@@ -336,7 +336,7 @@ def _table(results: dict[str, Any]) -> str:
 async def run(
     blocks: int, redis_url: str | None, use_redis: bool, lookups: int, redis_budget_s: float = 30.0
 ) -> dict[str, Any]:
-    """Run every measurement; the result is what ``--json`` writes."""
+    """Run every measurement; the result is what ``--out`` writes."""
     t0 = time.monotonic()
     payloads = _payloads(blocks - 10_000, seed=1)  # the prompt holders and a top-up add the rest
     results: dict[str, Any] = {
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         default=30.0,
         help="seconds for filling Redis (event path, then bulk adds)",
     )
-    p.add_argument("--json", metavar="FILE", default=None)
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON here")
     args = p.parse_args(argv)  # fmt: skip
     results = asyncio.run(
         run(args.blocks, args.redis_url, not args.no_redis, args.lookups, args.redis_budget)
@@ -386,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(results))
     text = json.dumps(results, indent=2)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
 

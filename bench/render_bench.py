@@ -38,7 +38,7 @@ CPU time is the cost figure; the JSON records the load average at start and end.
 Phases of the warm turn are timed separately, as ``render_chat`` runs them (render =
 messages to text, ``ModelRenderer.chat_text``; tokenise = split and cached encoding,
 ``tokenize_text``; hash = block keys, ``PromptKeyer.keys``).  It prints a table and
-writes JSON (``--json``).
+writes JSON (``--out``).
 """
 
 
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--turns", default="5,10,20,30,40")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--out", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
     # Tokenise on this thread, as kvroute's own processes do (kvroute/cli.py).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -357,9 +357,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer = args.tokenizer or build_default_tokenizer(Path(tmp) / "tok")
         result = run(tokenizer, args.block_size, turn_counts, args.reps, args.seed)
     print(format_table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from replica.vllm import cli as vllm_cli
@@ -25,21 +26,27 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
         description="A simulated replica that behaves like a vLLM 0.32 server to a router: "
         "OpenAI API, prefix cache with vLLM's block semantics, KV events over ZMQ, metrics.",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port to listen on")
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block (as vLLM on GPU and the router's "
+                   "scoring.models default)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks incl. the null block (default: from the profile)")
-    p.add_argument("--profile", default="default", help="timing profile (replica.sim.profiles)")
+    p.add_argument("--profile", default="default",
+                   help="timing profile: default or llama-3.1-8b-h100 (replica.sim.profiles)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second (1 = real time, 0.01 = 100x "
                    "faster, 0 = virtual time, as fast as the CPU allows)")
     p.add_argument("--seed", type=int, default=0, help="seeds the engine-side block hash")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, as vLLM's flag (default: from the profile)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per engine step, as vLLM's flag (default: from the profile)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output in tokens (default: from the profile)")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="ZMQ PUB endpoint (vLLM's bind/connect rule); default: a free "
                    "loopback port, see GET /kv_event_sources")
@@ -59,22 +66,48 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--no-prompt-tokens-details", action="store_true",
                    help="omit usage.prompt_tokens_details (vLLM's default without "
                    "--enable-prompt-tokens-details)")
-    p.add_argument("--fault-hang", action="store_true")
-    p.add_argument("--fault-slow-first-token", type=float, default=0.0, metavar="SECONDS")
-    p.add_argument("--fault-error-status", type=int, default=None)
-    p.add_argument("--fault-drop-events", type=int, default=0, metavar="N")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--fault-hang", action="store_true",
+                   help="fault injection: accept requests and never answer them")
+    p.add_argument("--fault-slow-first-token", type=float, default=0.0, metavar="SECONDS",
+                   help="fault injection: delay every first token by SECONDS")
+    p.add_argument("--fault-error-status", type=int, default=None, metavar="STATUS",
+                   help="fault injection: answer every completion with this HTTP status")
+    p.add_argument("--fault-drop-events", type=int, default=0, metavar="N",
+                   help="fault injection: drop N KV-event batches (a sequence gap)")
+    p.add_argument("--log-level", default="info", help="log level")
     p.set_defaults(func=_run_sim)
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    import asyncio
+    import errno
     import logging
-
-    from replica.sim.main import serve_forever
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _serve_sim(args)
+    except FileNotFoundError as exc:  # the tokenizer (prompt.tokenizer.TokenizerNotFound)
+        if args.log_level == "debug":
+            raise
+        print(f"kvroute sim: --tokenizer {args.tokenizer}: {exc} (a directory with "
+              "tokenizer.json, e.g. one written by `kvroute replica tiny-model --out DIR`)",
+              file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if args.log_level == "debug" or exc.errno not in (errno.EADDRINUSE, errno.EACCES,
+                                                           errno.EADDRNOTAVAIL):
+            raise
+        print(f"kvroute sim: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc} (another process holds the port? pick another --port)",
+              file=sys.stderr)
+        return 1
+
+
+def _serve_sim(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from replica.sim.main import serve_forever
+
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -48,7 +48,6 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
         description="Run the kvroute router: an OpenAI-compatible streaming reverse proxy "
         "that routes each request to one of the replicas.",
         epilog=_SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--host", default=None,
                    help="address to listen on (default 127.0.0.1; setting: host)")
@@ -64,6 +63,9 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
                    help="routing policy: kv (KV-cache aware, the default), session, "
                    "round_robin, least_loaded or random; a request may pick another with "
                    "the X-KVRoute-Policy header (setting: policy)")
+    p.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                   help="largest request body accepted; larger ones get 413 (default "
+                   "8388608, 8 MiB; setting: max_body_bytes)")
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; setting: log_level)")
@@ -88,10 +90,13 @@ def _serve(args: argparse.Namespace) -> int:
         cli["replicas"] = [{"url": url} for url in args.replica]
     if args.policy is not None:
         cli["policy"] = args.policy
+    if args.max_body_bytes is not None:
+        cli["max_body_bytes"] = args.max_body_bytes
     if args.log_level is not None:
         cli["log_level"] = args.log_level
     try:
         settings = RouterSettings.load(config_file=args.config, cli=cli)
+        check_model_files(settings)
         app = create_app(settings)
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
@@ -104,9 +109,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: {exc}",
+        print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: "
+              f"{exc.strerror or exc} (another process holds the port? pick another --port)",
               file=sys.stderr)
         return 1
+    _log_start(settings, sock.getsockname()[1])
     server = uvicorn.Server(config)
     _tune_gc()
     try:
@@ -114,6 +121,35 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+def check_model_files(settings: RouterSettings) -> None:
+    """``ConfigError`` naming the field when a model's local tokenizer cannot be found
+    (before anything starts: the renderers load it at start-up)."""
+    from prompt.tokenizer import resolve_model_dir
+    from router.config import ConfigError
+
+    for i, model in enumerate(settings.scoring.models):
+        if model.tokenizer is None:
+            continue
+        try:
+            resolve_model_dir(model.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"invalid kvroute configuration:\n  scoring.models.{i}.tokenizer: {exc} "
+                f"(model {model.name!r}: set it to a local directory with tokenizer.json or "
+                "a Hugging Face id in the local cache, or leave it out to render on the "
+                "replicas)") from exc
+
+
+def _log_start(settings: RouterSettings, port: int) -> None:
+    import logging
+
+    log = logging.getLogger("kvroute.serve")
+    log.info("listening on http://%s:%d (policy %s, index %s)", settings.host, port,
+             settings.policy, settings.index.backend)
+    for replica in settings.replicas:
+        log.info("replica %s: %s", replica.id, replica.url)
 
 
 def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:

@@ -67,6 +67,12 @@ class ReplicaSettings(_Section):
     models: list[str] | None = None
     """Models served; ``None`` means discover them from the replica's ``/v1/models``."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, data: Any) -> Any:
+        """A bare URL string stands for ``{url: URL}``."""
+        return {"url": data} if isinstance(data, str) else data
+
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
@@ -418,7 +424,27 @@ def _read_env(cls: type[BaseSettings], env: Mapping[str, str] | None) -> dict[st
     try:
         return dict(source())
     except Exception as exc:  # pydantic-settings raises SettingsError on bad JSON
-        raise ConfigError(f"environment (KVROUTE_*): {exc}") from exc
+        raise ConfigError(_env_error(str(exc))) from exc
+
+
+_ENV_EXAMPLES = {
+    "replicas": """'["http://127.0.0.1:8001", {"url": "http://127.0.0.1:8002"}]'""",
+    "index": """'{"backend": "redis", "url": "redis://127.0.0.1:6379/0"}'""",
+}
+
+
+def _env_error(message: str) -> str:
+    """A readable message for an environment value pydantic-settings could not parse (a
+    list or mapping that is not JSON)."""
+    import re
+
+    found = re.search(r'field "(\w+)"', message)
+    if found is None:
+        return f"environment (KVROUTE_*): {message}"
+    name = found.group(1)
+    example = _ENV_EXAMPLES.get(name, "'[...]' or '{...}'")
+    return (f"environment: KVROUTE_{name.upper()} is not valid JSON; list and mapping "
+            f"values in the environment are JSON, e.g. KVROUTE_{name.upper()}={example}")
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -455,6 +481,9 @@ def _describe(exc: ValidationError, sources: list[tuple[str, dict[str, Any]]]) -
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("memory", "redis")))
         field = ".".join(str(p) for p in loc) or "settings"
         msg = err["msg"].removeprefix("Value error, ")
+        if loc[:1] == ("replicas",) and len(loc) == 2 and err["type"] == "model_type":
+            msg = (f"each replica is a URL or a mapping with at least 'url:' (e.g. "
+                   f"'- url: http://127.0.0.1:8001'), got {err['input']!r}")
         origin = _origin(loc, sources)
         lines.append(f"  {field}: {msg}" + (f" (from {origin})" if origin else ""))
     return "\n".join(lines)

@@ -98,5 +98,9 @@ class HealthProber:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError, TypeError) as exc:
             _log.warning("reading /v1/models of %s failed: %s", replica, exc)
             return
+        before = state.models
         self._replicas.set_models(replica, cards)
         self._models_read_at[replica] = self._clock()
+        if state.models != before:
+            _log.info("replica %s (%s) serves: %s", replica, state.url,
+                      ", ".join(state.models or ()) or "no model")

@@ -47,6 +47,7 @@ from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_stack import check_index, instrumented_index
+from router.metrics import RemoteRenderCollector
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.scoring import CostModel, ScoringWeights
@@ -192,6 +193,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
     registry = RendererRegistry(_model_specs(s), remote=remote)
+    remote_counters = RemoteRenderCollector(remote.stats)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index_metrics = IndexMetrics(ctx.metrics.registry)
     index = instrumented_index(ctx.settings.index, index_metrics)
@@ -213,6 +215,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     prompts = RegistryPrompts(registry, remote=s.remote_render,
                               block_size_hint=block_size_hint if s.auto_models else None)
     tasks: list[asyncio.Task[Any]] = []
+    ctx.metrics.registry.register(remote_counters)
     try:
         await check_index(index)
         replicas = ctx.replicas
@@ -256,6 +259,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             await index.aclose()
         finally:
             index_metrics.close()
+            ctx.metrics.registry.unregister(remote_counters)
 
 
 async def _await_live(

@@ -233,7 +233,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="seconds a dead ingester keeps its replicas before another takes over",
     )
     p.add_argument(
-        "--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level", default=None, choices=["critical", "error", "warning", "info", "debug"],
+        help="log level (default info; setting: log_level)",
     )
     p.set_defaults(func=_indexer)  # fmt: skip
 
@@ -255,6 +256,11 @@ def _indexer(args: argparse.Namespace) -> int:
         settings = RouterSettings.load(config_file=args.config, cli=cli)
     except ConfigError as exc:
         print(f"kvroute indexer: {exc}", file=sys.stderr)
+        return 2
+    if settings.index.backend != "redis":
+        print("kvroute indexer: needs a shared Redis index (--redis URL, or index.backend: "
+              "redis with index.url in --config): with the in-memory index its events would "
+              "go into a private index that no router can read", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from router.load import LoadTracker
     from router.replica_registry import ReplicaRegistry
 
-__all__ = ["FastCounter", "FastHistogram", "KvMetrics", "Outcome", "RouterMetrics"]
+__all__ = [
+    "REMOTE_RENDER_COUNTERS",
+    "FastCounter",
+    "FastHistogram",
+    "KvMetrics",
+    "Outcome",
+    "RemoteRenderCollector",
+    "RouterMetrics",
+]
 
 _C = TypeVar("_C")
 
@@ -439,3 +447,40 @@ class _KvStateCollector:
             if family is not None:
                 family.add_metric([replica], value)
         yield from families.values()
+
+
+class RemoteRenderCounters(Protocol):
+    """The remote-rendering counters (``prompt.remote_render.RemoteRenderStats``)."""
+
+    fallbacks: int
+    cache_hits: int
+    requests: int
+    errors: int
+    timeouts: int
+
+
+REMOTE_RENDER_COUNTERS = {
+    "fallbacks": ("router_tokenize_fallbacks_total",
+                  "Prompts rendered by a replica's /tokenize because no local tokenizer "
+                  "was configured for the model (cache hits included)."),
+    "cache_hits": ("router_tokenize_cache_hits_total",
+                   "Remote renders answered from the router's cache of /tokenize answers."),
+    "requests": ("router_tokenize_requests_total", "/tokenize requests sent to replicas."),
+    "errors": ("router_tokenize_errors_total",
+               "/tokenize requests that failed (error status or unreadable answer)."),
+    "timeouts": ("router_tokenize_timeouts_total", "/tokenize requests that timed out."),
+}
+
+
+class RemoteRenderCollector:
+    """The ``/tokenize`` fallback counters, read at scrape time from ``stats``."""
+
+    def __init__(self, stats: RemoteRenderCounters) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for field, (name, doc) in REMOTE_RENDER_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(self._stats, field))

@@ -368,6 +368,14 @@ class _Tiers:
         return self.values[0] if i < self.cpu_end else self.values[1]
 
 
+def _floor_within(x: float, lo: int, hi: int) -> int:
+    """``floor(x)`` clamped to ``[lo, hi]``, for any float (an infinite or NaN ``x`` never
+    reaches ``math.floor``, which would raise on it; NaN gives ``lo``)."""
+    if not x > lo:
+        return lo
+    return hi if x >= hi else math.floor(x)
+
+
 def _tail_run(
     allocations: float,
     depth0: float,
@@ -389,8 +397,9 @@ def _tail_run(
     lo = 1.0 - spread
     full_end = start
     if lo > 0:
-        # depth0 + run - 1 - i >= allocations / lo  <=>  P_i = 1 (then capped)
-        full_end = min(end, max(start, math.floor(depth0 + run - 1 - allocations / lo) + 1))
+        # depth0 + run - 1 - i >= allocations / lo  <=>  P_i = 1 (then capped); the
+        # quotient may overflow to infinity (a horizon near 0), so clamp before flooring
+        full_end = _floor_within(depth0 + run - allocations / lo, start, end)
     full_end = min(full_end, max(start, run))  # past the run every depth is depth0
     weighted = p_cap * tiers.value(start, full_end)
     total = p_cap * (full_end - start)
@@ -456,7 +465,10 @@ def score_replica(
         # allocated, so the run is evicted from its end and its leading blocks survive.
         tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
         free_ref = inp.free_blocks if inp.free_blocks is not None else depth0
-        allocations = consumed * depth0 + pressure * free_ref
+        # an infinite pressure (lag over a horizon near 0) evicts everything, even with
+        # an empty free pool (where inf * 0 would be NaN)
+        allocations = (math.inf if math.isinf(pressure)
+                       else consumed * depth0 + pressure * free_ref)
         weighted_tail, resident, total = _tail_run(
             allocations, depth0, inp.tail_run_blocks, hot, usable, p_hot, spread, tiers, p_index,
         )  # fmt: skip
@@ -527,6 +539,8 @@ def pick(
     if temperature <= 0 or len(ordered) == 1:
         return ordered
     top = ordered[0].score
+    if not math.isfinite(top):  # no finite score to weigh against: keep score order
+        return ordered
     weights = [math.exp((s.score - top) / temperature) for s in ordered]
     total = sum(weights)
     target = min(max(u, 0.0), 1.0) * total

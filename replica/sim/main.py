@@ -1,7 +1,9 @@
 """``kvroute sim``'s process body: build a ``SimServer`` from CLI arguments and serve.
 
-Prints one JSON line with the URL and resolved event endpoints (the replica entry for
-a router config), then serves until SIGINT/SIGTERM.  A ``crash`` fault exits the process
+Prints one JSON line with the URL, model and resolved event endpoints: a replica entry
+that pastes as is under a router config's ``replicas:`` (a JSON object is YAML).  The
+pool's geometry goes to the log (``block_size`` belongs under ``scoring.models``).  Then
+it serves until SIGINT/SIGTERM.  A ``crash`` fault exits the process
 with status 17.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 
@@ -59,6 +62,19 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
     )
 
 
+def replica_entry(server: SimServer, args: argparse.Namespace) -> dict[str, object]:
+    """The replica's entry for a router config (``ReplicaSettings``' fields only)."""
+    host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    entry: dict[str, object] = {"url": f"http://{host}:{server.port}", "models": [args.model]}
+    for name in ("kv_events_endpoint", "replay_endpoint"):
+        endpoint = getattr(server, name)
+        if endpoint is not None:  # a wildcard bind is dialled on the replica's host
+            for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+                endpoint = endpoint.replace(wildcard, f"tcp://{host}:")
+            entry[name] = endpoint
+    return entry
+
+
 async def serve_forever(args: argparse.Namespace) -> int:
     """Run one simulated replica until a termination signal."""
     server = SimServer(settings_from_args(args), on_crash=exit_process)
@@ -68,17 +84,13 @@ async def serve_forever(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    entry = {
-        "url": server.url,
-        "model": args.model,
-        "block_size": args.block_size,
-        "num_gpu_blocks": server.engine.pool.num_blocks,
-        "kv_events_endpoint": server.kv_events_endpoint,
-        "replay_endpoint": server.replay_endpoint,
-        "topic": args.topic,
-    }
-    sys.stdout.write(orjson.dumps(entry).decode() + "\n")
+    sys.stdout.write(orjson.dumps(replica_entry(server, args)).decode() + "\n")
     sys.stdout.flush()
+    logging.getLogger(__name__).info(
+        "simulated replica of %s on %s: %d blocks of %d tokens (router config: "
+        "scoring.models: [{name: %s, block_size: %d, tokenizer: %s}])",
+        args.model, server.url, server.engine.pool.num_blocks, args.block_size,
+        args.model, args.block_size, args.tokenizer)  # fmt: skip
     try:
         await stop.wait()
     finally:

@@ -18,6 +18,35 @@ from typing import Any
 
 _REPO_VENV_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
+GPU_BLOCK_SIZE = 16
+"""vLLM's own default block size on GPU, and the router's ``scoring.models`` default."""
+CPU_BLOCK_SIZE = 32
+"""The smallest block size vLLM's CPU attention accepts."""
+EVENTS_PORT_OFFSET = 10000
+REPLAY_PORT_OFFSET = 20000
+"""The KV-event and replay ports sit at fixed offsets from the HTTP port, so replicas on
+different HTTP ports never share them (8001 -> 18001 and 28001)."""
+
+
+def event_ports(http_port: int) -> tuple[int, int]:
+    """The (KV-event, replay) ports of a replica on ``http_port``: fixed offsets from it,
+    or two free ports when an offset would pass 65535."""
+    events, replay = http_port + EVENTS_PORT_OFFSET, http_port + REPLAY_PORT_OFFSET
+    if replay <= 65535:
+        return events, replay
+    import socket
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("", 0))
+        b.bind(("", 0))
+        return a.getsockname()[1], b.getsockname()[1]
+
+
+def _zmq_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", "*", ""):
+        return "*"
+    return f"[{host}]" if ":" in host else host
+
 
 def default_vllm_python() -> str:
     """The repository's ``.venv-vllm`` interpreter when it exists, else ``python3``."""
@@ -40,14 +69,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "print the replica entry for the router config. Arguments after -- go to vLLM.",
     )
     v.add_argument("--model", required=True, help="model directory or id")
-    v.add_argument("--served-model-name", required=True)
+    v.add_argument("--served-model-name", required=True,
+                   help="the name clients send in 'model' (the router's model key)")
     v.add_argument("--port", type=int, required=True, help="HTTP port")
     v.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     v.add_argument("--id", dest="replica_id", default=None, help="replica id (host:port)")
     v.add_argument("--advertise-host", default=None, help="host the router dials")
-    v.add_argument("--block-size", type=int, default=None, help="tokens per KV block (32)")
-    v.add_argument("--kv-events-port", type=int, default=5557, help="PUB port, bound on *")
-    v.add_argument("--replay-port", type=int, default=5558, help="replay ROUTER port")
+    v.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default {GPU_BLOCK_SIZE} on GPU, as vLLM and "
+                   f"the router's scoring.models default; {CPU_BLOCK_SIZE} on the CPU build, "
+                   "which needs a multiple of 32)")
+    v.add_argument("--kv-events-port", type=int, default=None,
+                   help=f"KV-event PUB port (default: HTTP port + {EVENTS_PORT_OFFSET}); vLLM "
+                   "binds it on every interface (it binds only wildcard endpoints)")
+    v.add_argument("--replay-port", type=int, default=None,
+                   help=f"replay ROUTER port, bound on --host (default: HTTP port + "
+                   f"{REPLAY_PORT_OFFSET})")
     v.add_argument(
         "--kv-events-endpoint", default=None, help="PUB endpoint (overrides --kv-events-port)"
     )
@@ -61,12 +98,15 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default=None,
         help="pool size in blocks, including vLLM's null block",
     )
-    v.add_argument("--max-model-len", type=int, default=None)
+    v.add_argument("--max-model-len", type=int, default=None,
+                   help="vLLM's --max-model-len (default: vLLM's, from the model)")
     cpu = v.add_mutually_exclusive_group()
     cpu.add_argument("--cpu", dest="cpu", action="store_true", default=None,
                      help="CPU build settings (default: when no GPU is found)")
-    cpu.add_argument("--gpu", dest="cpu", action="store_false")
-    v.add_argument("--cpu-kvcache-gib", type=int, default=1)
+    cpu.add_argument("--gpu", dest="cpu", action="store_false",
+                     help="GPU settings (default: when a GPU is found)")
+    v.add_argument("--cpu-kvcache-gib", type=int, default=1,
+                   help="CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
     v.add_argument("--dtype", default=None,
                    help="vLLM's --dtype (default: float32 on the CPU build, else vLLM's choice)")
     v.add_argument("--dev-mode", action="store_true", help="VLLM_SERVER_DEV_MODE=1")
@@ -75,34 +115,44 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     v.add_argument("extra", nargs=argparse.REMAINDER, help="-- then vLLM arguments")
     v.set_defaults(func=_run_vllm)
 
-    t = rsub.add_parser("tiny-model", help="write the tiny random Llama + tokenizer")
-    t.add_argument("--out", required=True, type=Path)
-    t.add_argument("--template", choices=("llama3", "chatml"), default="llama3")
-    t.add_argument("--vocab-size", type=int, default=2000)
-    t.add_argument("--seed", type=int, default=0)
+    t = rsub.add_parser(
+        "tiny-model", help="write the tiny random Llama + tokenizer",
+        description="Write a tiny random Llama checkpoint with a locally trained tokenizer "
+        "and a chat template: a model vLLM's CPU build serves in seconds, for tests and "
+        "for trying kvroute without a GPU (its tokenizer also serves kvroute sim).",
+    )
+    t.add_argument("--out", required=True, type=Path, help="directory to write the model to")
+    t.add_argument("--template", choices=("llama3", "chatml"), default="llama3",
+                   help="chat template family")
+    t.add_argument("--vocab-size", type=int, default=2000, help="tokenizer vocabulary size")
+    t.add_argument("--seed", type=int, default=0, help="seeds the weights and the tokenizer")
     t.set_defaults(func=_run_tiny_model)
 
 
 def spec_from_args(args: argparse.Namespace) -> Any:
     """The ``VllmReplicaSpec`` the parsed ``kvroute replica vllm`` arguments describe."""
-    from replica.vllm.launcher import DEFAULT_BLOCK_SIZE, VllmReplicaSpec
+    from replica.vllm.launcher import VllmReplicaSpec
 
     extra = list(args.extra)
     if extra and extra[0] == "--":
         extra = extra[1:]
+    cpu = (not _has_gpu()) if args.cpu is None else args.cpu
+    events_port, replay_port = event_ports(args.port)
+    events_port = events_port if args.kv_events_port is None else args.kv_events_port
+    replay_port = replay_port if args.replay_port is None else args.replay_port
     return VllmReplicaSpec(
         model=args.model,
         served_model_name=args.served_model_name,
         port=args.port,
         host=args.host,
         replica_id=args.replica_id,
-        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
-        kv_events_endpoint=args.kv_events_endpoint or f"tcp://*:{args.kv_events_port}",
-        replay_endpoint=args.replay_endpoint or f"tcp://*:{args.replay_port}",
+        block_size=args.block_size or (CPU_BLOCK_SIZE if cpu else GPU_BLOCK_SIZE),
+        kv_events_endpoint=args.kv_events_endpoint or f"tcp://*:{events_port}",
+        replay_endpoint=args.replay_endpoint or f"tcp://{_zmq_host(args.host)}:{replay_port}",
         topic=args.topic,
         num_gpu_blocks=args.num_gpu_blocks,
         max_model_len=args.max_model_len,
-        cpu=(not _has_gpu()) if args.cpu is None else args.cpu,
+        cpu=cpu,
         cpu_kvcache_gib=args.cpu_kvcache_gib,
         dtype=args.dtype,
         dev_mode=args.dev_mode,
@@ -126,6 +176,12 @@ def _run_vllm(args: argparse.Namespace) -> int:
         return 2
     print("# replica entry for the router config (under `replicas:`)")
     print(replica_entry_yaml(spec, args.advertise_host), end="")
+    print(f"# KV events published on {spec.kv_events_endpoint} (vLLM binds its publisher "
+          "only on a wildcard endpoint: every interface), replay on "
+          f"{spec.replay_endpoint}")
+    print("# model entry (under `scoring.models:`; block_size must match the replicas)")
+    print(f"#   - {{name: {spec.served_model_name}, block_size: {spec.block_size}, "
+          f"tokenizer: {spec.model}}}")
     print("# command")
     print("# " + shell_quote(build_command(spec)))
     sys.stdout.flush()
@@ -145,4 +201,4 @@ def _run_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["default_vllm_python", "register", "spec_from_args"]
+__all__ = ["default_vllm_python", "event_ports", "register", "spec_from_args"]

@@ -33,7 +33,7 @@ def _run(module: str, *args: str, out: Path) -> dict[str, Any]:
 def test_index_bench(tmp_path: Path, redis_url: str) -> None:
     out = tmp_path / "index.json"
     r = _run("bench.index_bench", "--blocks", "20000", "--lookups", "20",
-             "--redis-url", redis_url, "--redis-budget", "10", "--json", str(out), out=out)
+             "--redis-url", redis_url, "--redis-budget", "10", "--out", str(out), out=out)
     for backend in ("memory", "redis"):
         assert r[backend]["indexed_blocks"] == 20_000
         assert r[backend]["ingest_blocks_per_s"] > 0
@@ -43,7 +43,7 @@ def test_index_bench(tmp_path: Path, redis_url: str) -> None:
 
 def test_render_bench(tmp_path: Path) -> None:
     out = tmp_path / "render.json"
-    r = _run("bench.render_bench", "--turns", "2,3", "--reps", "2", "--json", str(out),
+    r = _run("bench.render_bench", "--turns", "2,3", "--reps", "2", "--out", str(out),
              out=out)
     rows = r["rows"]
     assert [row["turns"] for row in rows] == [2, 3]

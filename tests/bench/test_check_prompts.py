@@ -186,7 +186,7 @@ def test_command_line(tmp_path: Path, llama3_dir: Path, capsys: pytest.CaptureFi
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "report.json"
     assert main(["check-prompts", str(path), "--tokenizer", str(llama3_dir),
-                 "--json", str(out)]) == 0
+                 "--out", str(out)]) == 1  # a turn is flagged
     printed = capsys.readouterr().out
     assert "dynamic_prefix" in printed and "1 of 3 turns" in printed
     doc = json.loads(out.read_text())

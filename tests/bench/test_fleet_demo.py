@@ -92,4 +92,5 @@ async def test_tiny_demo_end_to_end(tmp_path: Path, llama3_dir: Path) -> None:
     assert {r["name"] for r in doc["runs"]} == {"round_robin", "kv"}
     for name in ("ttft-distribution.png", "ttft-by-turn.png", "results.jsonl", "trace.jsonl"):
         assert (out / name).stat().st_size > 0
+    assert (out / "table.txt").read_text() == result.table + "\n"  # the printed table
     assert "oracle" in text and "kv" in text

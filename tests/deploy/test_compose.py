@@ -419,3 +419,19 @@ def test_prometheus_scrapes_every_router_and_replica(
                     assert int(port) == listen_port(svc), f"{target} is not where {host} listens"
                 scraped.add(host)
     assert scraped >= ROUTER_NAMES | REPLICA_ALIASES, scraped
+
+
+# Top-level keys docker-compose 1.29 (v1, what Debian ships) accepts; anything else, such
+# as the compose specification's `name:`, makes it reject the whole file.
+COMPOSE_V1_TOP_LEVEL = {"version", "services", "networks", "volumes", "secrets", "configs"}
+
+
+def test_compose_file_runs_under_compose_v1_and_v2(compose: dict[str, Any], repo: Path) -> None:
+    extra = {k for k in compose if not k.startswith("x-")} - COMPOSE_V1_TOP_LEVEL
+    assert not extra, f"docker-compose 1.29 rejects top-level {sorted(extra)}"
+    # the project name both read (v2 would take `name:`, v1 cannot): .env in the project
+    # directory, kept out of the image's build context
+    env = dict(line.split("=", 1) for line in (repo / ".env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert env == {"COMPOSE_PROJECT_NAME": "kvroute"}
+    assert ".env" in (repo / ".dockerignore").read_text().split()

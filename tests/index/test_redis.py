@@ -177,7 +177,9 @@ async def test_paused_redis_degrades_fast_and_recovers(private_redis: Any) -> No
                 t0 = time.monotonic()
                 with pytest.raises(IndexUnavailable):
                     await idx.lookup(keys)
-                assert time.monotonic() - t0 < 0.5
+                # bounded by the 0.05 s op timeout (with room for a loaded machine), where
+                # a paused server without one would hang the lookup indefinitely
+                assert time.monotonic() - t0 < 2.0
         assert await recovered(idx, keys) == 5
     finally:
         await idx.aclose()
@@ -195,7 +197,7 @@ async def test_killed_redis_fails_fast_and_reconnects(redis_server_factory: Any)
             await idx.lookup(keys)
         with pytest.raises(IndexUnavailable):
             await idx.add(A, ek(keys), keys)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0  # refused at once, no retry loop
         redis_server_factory(server.port)  # back, empty (no persistence)
         assert await recovered(idx, keys) == 0
         await idx.add(A, ek(keys), keys)
@@ -282,6 +284,7 @@ async def test_run_with_lease_hands_over_on_cancel(redis_url: str, redis_namespa
         return work
 
     tasks: dict[str, asyncio.Task[None]] = {}
+    leases: dict[str, RedisLease] = {}
 
     async def stop(name: str) -> None:
         tasks[name].cancel()
@@ -290,15 +293,14 @@ async def test_run_with_lease_hands_over_on_cancel(redis_url: str, redis_namespa
 
     try:
         for name in ("a", "b"):
-            lease = RedisLease(client, key, name, ttl_s=1.5)
+            lease = leases[name] = RedisLease(client, key, name, ttl_s=1.5)
             tasks[name] = asyncio.create_task(run_with_lease(lease, worker(name)))
             await eventually(lambda: bool(running))
         await asyncio.sleep(0.2)
         assert running == ["a"]  # b stands by
-        await stop("a")  # releases the lease: b takes over well before it would expire
-        t0 = time.monotonic()
-        await eventually(lambda: running == ["b"])
-        assert time.monotonic() - t0 < 1.4
+        await stop("a")  # releases the lease on the way out, not waiting for its expiry
+        assert await leases["a"].holder() in (None, "b")  # the key is gone (or b's) at once
+        await eventually(lambda: running == ["b"])  # b takes it at its next try
         await stop("b")
         assert running == []
     finally:

@@ -49,7 +49,7 @@ async def held(index: InMemoryIndex, seed: int) -> int:
     return (await index.lookup(block_keys(prompt(seed), BS, model=MODEL))).blocks(R)
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not cond():
@@ -145,7 +145,7 @@ async def rig(grace: float) -> AsyncIterator[tuple[Rig, KVEventPublisher]]:
 
 
 async def test_a_dead_engine_is_cleared_after_the_grace_and_rebuilt_when_back() -> None:
-    grace = 0.5
+    grace = 1.0
     async with rig(grace) as (r, pub):
         await pub.publish([store(1)])
         await pub.publish([store(2)])
@@ -158,8 +158,13 @@ async def test_a_dead_engine_is_cleared_after_the_grace_and_rebuilt_when_back() 
         died = loop.time()
         await eventually(lambda: not r.sub.status.connected)
         await asyncio.sleep(0.2)
-        assert await held(r.index, 1) == 3, "cleared before the grace period ended"
-        await held_becomes(r.index, 1, 0, timeout=grace + 1.0 - (loop.time() - died))
+        still = await held(r.index, 1)
+        # The grace runs from the disconnection, which came after ``died``: while less
+        # than the grace has passed since ``died`` nothing may be cleared.  (A loaded
+        # machine that got here later cannot tell, and only the clearing is checked.)
+        if loop.time() - died < grace:
+            assert still == 3, "cleared before the grace period ended"
+        await held_becomes(r.index, 1, 0, timeout=grace + 5.0 - (loop.time() - died))
         assert await held(r.index, 2) == 0
         st = r.sub.status
         assert st.state == "disconnected" and not st.connected
@@ -175,7 +180,7 @@ async def test_a_dead_engine_is_cleared_after_the_grace_and_rebuilt_when_back() 
         await start(pub2)
         try:
             await pub2.publish([store(3)])
-            await held_becomes(r.index, 3, 3, timeout=2.0)
+            await held_becomes(r.index, 3, 3, timeout=10.0)
             await eventually(lambda: r.sub.status.state == "live" and r.sub.status.connected)
             assert r.sub.status.last_seq == 0
             assert r.obs.resyncs == ["disconnected", "reconnect"]
@@ -189,7 +194,7 @@ async def test_a_dead_engine_is_cleared_after_the_grace_and_rebuilt_when_back() 
 
 
 async def test_a_blip_shorter_than_the_grace_clears_nothing() -> None:
-    grace = 1.0
+    grace = 2.0  # the blip must stay shorter than this however loaded the machine
     async with rig(grace) as (r, pub):
         await pub.publish([store(1)])
         await eventually(lambda: r.sub.status.last_seq == 0)
@@ -245,13 +250,13 @@ async def test_bind_mode_clears_its_sources_once_no_engine_is_connected() -> Non
         assert await held(index, 1) == 3
 
         await pub.aclose()
-        await held_becomes(index, 1, 0, timeout=grace + 1.0)
+        await held_becomes(index, 1, 0, timeout=grace + 5.0)
         assert status() == "disconnected" and sub.statuses()[R].resyncs == 1
 
         pub = engine()  # restarted: seq from 0
         await start(pub)
         await pub.publish([store(3)])
-        await held_becomes(index, 3, 3, timeout=2.0)
+        await held_becomes(index, 3, 3, timeout=10.0)
         await eventually(lambda: status() == "live")
         assert [await held(index, s) for s in (1, 2)] == [0, 0]
     finally:

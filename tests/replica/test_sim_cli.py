@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kvroute.cli import build_parser
 from replica.sim.main import settings_from_args
 
@@ -34,3 +36,39 @@ def test_sim_defaults() -> None:
     assert eng.time_scale == 1.0 and eng.profile == "default" and eng.num_blocks is None
     assert s.kv_events_endpoint is None and s.replay_endpoint is None
     assert not s.legacy_encoding and s.lora_modules == ()
+
+
+def test_the_printed_line_pastes_into_a_router_config(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    import orjson
+    import yaml
+
+    from replica.vllm.tiny_tokenizer import build_tokenizer
+    from router.config import RouterSettings
+
+    tok = build_tokenizer(tmp_path / "tok", template="llama3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute", "sim", "--model", "m", "--tokenizer", str(tok),
+         "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    entry = orjson.loads(line)
+    assert entry["url"].startswith("http://127.0.0.1:") and entry["models"] == ["m"]
+    assert entry["kv_events_endpoint"].startswith("tcp://127.0.0.1:")
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(f"replicas:\n  - {line}")  # pasted as is
+    (replica,) = RouterSettings.load(config_file=cfg, env={}).replicas
+    assert replica.model_dump(exclude={"id"}) == entry
+    assert yaml.safe_load(cfg.read_text())["replicas"] == [entry]

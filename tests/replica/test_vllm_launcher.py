@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kvroute.cli import main
+from replica.vllm.cli import event_ports
 from replica.vllm.launcher import (
     VllmReplicaSpec,
     build_command,
@@ -143,3 +144,50 @@ def test_cli_rejects_a_bad_block_size(capsys: pytest.CaptureFixture[str]) -> Non
                  "--cpu", "--block-size", "16", "--dry-run"])
     assert code == 2
     assert "multiple of 32" in capsys.readouterr().err
+
+
+def _dry_run(capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[list[str], str]:
+    code = main(["replica", "vllm", "--model", "/models/x", "--served-model-name", "x",
+                 "--python", "/py", "--dry-run", *extra])
+    assert code == 0
+    out = capsys.readouterr().out
+    command = next(line for line in out.splitlines() if line.startswith("# /py "))
+    return shlex.split(command[2:]), out
+
+
+def test_two_replicas_get_their_own_event_ports_derived_from_http(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen = []
+    for port in ("8001", "8002"):
+        argv, out = _dry_run(capsys, "--port", port, "--gpu")
+        cfg = json.loads(_flag(argv, "--kv-events-config"))
+        entry = yaml.safe_load("\n".join(line for line in out.splitlines()
+                                         if not line.startswith("#")))[0]
+        # the PUB port is a wildcard bind (vLLM binds no other); replay binds on --host
+        assert cfg["endpoint"] == f"tcp://*:{int(port) + 10000}"
+        assert cfg["replay_endpoint"] == f"tcp://127.0.0.1:{int(port) + 20000}"
+        assert entry["kv_events_endpoint"] == f"tcp://127.0.0.1:{int(port) + 10000}"
+        assert entry["replay_endpoint"] == cfg["replay_endpoint"]
+        assert cfg["endpoint"] in out and cfg["replay_endpoint"] in out  # printed
+        seen += [cfg["endpoint"], cfg["replay_endpoint"]]
+    assert len(set(seen)) == 4
+
+
+def test_event_ports_never_pass_65535() -> None:
+    assert event_ports(8001) == (18001, 28001)
+    events, replay = event_ports(60000)
+    assert 0 < events <= 65535 and 0 < replay <= 65535 and events != replay
+
+
+def test_block_size_defaults_agree_with_the_router_and_say_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from router.config import ModelSettings
+
+    argv, out = _dry_run(capsys, "--port", "8001", "--gpu")
+    assert _flag(argv, "--block-size") == str(ModelSettings(name="x").block_size) == "16"
+    assert "block_size: 16" in out and "scoring.models" in out
+    argv, out = _dry_run(capsys, "--port", "8001", "--cpu")
+    assert _flag(argv, "--block-size") == "32"  # the CPU build's minimum, printed for the config
+    assert "#   - {name: x, block_size: 32, tokenizer: /models/x}" in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -77,6 +78,20 @@ async def _fleet(stack: AsyncExitStack, tok: Path, *, events: bool = True,
     url = await stack.enter_async_context(run_server(create_app(settings, registry=prom)))
     http = await stack.enter_async_context(aiohttp.ClientSession(timeout=TIMEOUT))
     return Fleet(sims, url, http, prom, settings)
+
+
+async def until_keyed(f: Fleet, timeout_s: float = 30.0) -> None:
+    """Wait (polling, however long a loaded machine takes) until the router can key a
+    prompt of the model: ``/debug/route`` no longer falls back for want of a prompt."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "probe"}]}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with f.http.post(f.router + "/debug/route", json=body) as resp:
+            reason = (await resp.json())["reason"]
+        if reason != "affinity_no_prompt":
+            return
+        assert time.monotonic() < deadline, f"the router never keyed a prompt: {reason}"
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -187,6 +202,9 @@ async def test_multi_turn_conversations_land_where_their_cache_is(
     assert f.metric("router_session_turns_total", policy="kv", placement="same_replica") >= 45
     assert sum(f.metric("router_kv_prediction_disagreements_total", replica=f"r{i}",
                         direction="over") for i in range(N_REPLICAS)) == 0
+    # a local tokenizer: no prompt went to a replica's /tokenize
+    assert f.metric("router_tokenize_fallbacks_total") == 0
+    assert f.metric("router_tokenize_requests_total") == 0
 
 
 async def test_shared_system_prompt_spreads_under_concurrency_and_when_paced(
@@ -300,7 +318,7 @@ async def test_unconfigured_router_discovers_events_and_renders_on_replicas(
     # /kv_event_sources, the block size from the scrape, prompts from the replicas'
     # /tokenize (a round trip per request); predictions stay exact.
     f = await _fleet(stack, tokenizer_dir, configured=False, discover=True)
-    await asyncio.sleep(0.5)  # the first scrape tells the block size
+    await until_keyed(f)  # the first scrape tells the block size
     convs = [Conversation(system=f"Unconfigured {i}. " * 30, session=f"u{i}") for i in range(4)]
     await asyncio.gather(*(converse(f, c, 4, think_s=0.1) for c in convs))
     later = [c.turns[i] for c in convs for i in range(1, 4)]
@@ -309,6 +327,14 @@ async def test_unconfigured_router_discovers_events_and_renders_on_replicas(
     assert {c.turns[0].reason for c in convs} == {"kv_new"}
     assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later)
     assert all(c.turns[i].replica == c.turns[0].replica for c in convs for i in range(4))
+    # every prompt was rendered by a replica, and /metrics says so
+    assert f.metric("router_tokenize_fallbacks_total") >= 16
+    assert f.metric("router_tokenize_requests_total") >= 1
+    assert f.metric("router_tokenize_errors_total") == f.metric(
+        "router_tokenize_timeouts_total") == 0
+    async with f.http.get(f.router + "/metrics") as resp:
+        text = await resp.text()
+    assert "router_tokenize_fallbacks_total" in text
 
 
 async def test_two_routers_share_one_redis_index(

@@ -52,11 +52,15 @@ async def test_stream_chunks_arrive_before_upstream_finishes(
             arrivals.append(time.monotonic() - t0)
             if event == b"data: [DONE]\n\n":
                 break
-    # The first event is relayed at once, not after the ~0.8 s the whole stream takes,
-    # and later events arrive spread out, one gap apart.
-    assert t_first < 0.15
-    assert arrivals[-1] > 0.75
-    assert arrivals[2] - arrivals[1] > 0.15
+    # The first event is relayed at once: it reached the client while the replica was
+    # still streaming (it sleeps 0.2 s between events, on this same event loop), not
+    # after the whole stream; the events arrive spread out, not in one buffer.  Asserted
+    # against the replica's own clock, not a latency bound, so load cannot fail it.
+    ended = fake.completions()[-1].ended
+    assert ended is not None
+    assert t0 + t_first < ended, (t_first, ended - t0)
+    assert arrivals[-1] - arrivals[0] > 0.2, arrivals
+    assert arrivals == sorted(arrivals) and len(arrivals) == 6
 
 
 async def test_ttfb_through_router_close_to_direct(
@@ -69,9 +73,10 @@ async def test_ttfb_through_router_close_to_direct(
     url = await start_router([fake])
     body = orjson.dumps(chat(stream=True))
     direct, routed, gap = await measure_ttfb(client, fake.url, url, body)
-    # A Nagle stall holds the body ~40 ms behind the headers; scheduling noise on a busy
-    # box is absorbed by taking the best of several tries.
-    assert gap < 0.01, gap
+    # A Nagle stall holds the body ~40 ms behind the headers on every try; scheduling
+    # noise on a busy box does not, so the best of up to 20 tries (until both hold) sees
+    # through it.
+    assert gap < 0.02, gap
     assert routed < direct + 0.03, (routed, direct)
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkeys.types import ReplicaHit, ReplicaId
@@ -374,8 +374,16 @@ def test_more_decode_load_never_raises_the_score(
     assert score_replica(y, prompt, BS, W).score <= score_replica(x, prompt, BS, W).score
 
 
+# Found by hypothesis: a lag over a horizon near 0 made the tail run's threshold overflow
+# to infinity, and flooring it raised OverflowError (a failed request).
+TINY_HORIZON = inp(gpu=4, freshness=Freshness(lag_s=10.0), horizon_s=1e-305, free_blocks=100.0,
+                   tail_consumed=1.0, tail_queue_blocks=1.0, tail_run_blocks=4)
+
+
 @settings(max_examples=300, deadline=None)
 @given(inputs, tokens, st.floats(min_value=0, max_value=100))
+@example(TINY_HORIZON, 100, 1.0)
+@example(replace(TINY_HORIZON, free_blocks=0.0, horizon_s=5e-324), 100, 1.0)
 def test_more_recent_placements_never_raise_the_score(
     x: ReplicaInput, prompt: int, more: float
 ) -> None:
@@ -430,3 +438,49 @@ def test_rank_and_pick_are_permutations(xs: list[ReplicaInput], prompt: int, u: 
     for temperature in (0.0, 50.0):
         picked = pick(ranked, preference={}, temperature=temperature, u=u)
         assert sorted(s.replica for s in picked) == sorted(x.replica for x in xs)
+
+
+# Every float the documented ranges allow, down to subnormals and up to the largest finite
+# values: the score is on the request path, so it must never raise or return NaN.
+anything = st.floats(min_value=0, allow_infinity=False, allow_nan=False)
+tiny_or_huge = st.one_of(anything, st.floats(min_value=0, max_value=1e-300),
+                         st.sampled_from([0.0, 5e-324, 1e-305, 1e305, 1.7e308]))
+extreme_inputs = st.builds(
+    ReplicaInput,
+    replica=st.just(A),
+    hit=st.builds(ReplicaHit, blocks, blocks, blocks),
+    load=st.builds(LoadTerms, queued_prefill_tokens=tiny_or_huge, decode_load=tiny_or_huge,
+                   placements=tiny_or_huge),
+    freshness=st.builds(Freshness, lag_s=tiny_or_huge, connected=st.booleans(),
+                        since_gap_s=st.one_of(st.none(), tiny_or_huge),
+                        since_reset_s=st.one_of(st.none(), tiny_or_huge),
+                        receipt_trust=st.floats(min_value=0, max_value=1)),
+    horizon_s=st.one_of(st.none(), tiny_or_huge),
+    free_blocks=st.one_of(st.none(), tiny_or_huge),
+    tail_consumed=tiny_or_huge,
+    tail_queue_blocks=st.one_of(st.none(), tiny_or_huge),
+    tail_run_blocks=st.integers(min_value=0, max_value=10**6),
+    hot_blocks=blocks,
+    costs=st.builds(CostModel, kv_bytes_per_token=tiny_or_huge,
+                    prefill_tokens_per_s=tiny_or_huge,
+                    cpu_bandwidth_bytes_per_s=tiny_or_huge,
+                    storage_bandwidth_bytes_per_s=tiny_or_huge),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(extreme_inputs, min_size=1, max_size=3), tokens,
+       st.floats(min_value=0, max_value=1), st.one_of(st.just(0.0), tiny_or_huge),
+       st.floats(min_value=0, max_value=1))
+@example([TINY_HORIZON], 100, 0.5, 0.0, 0.0)
+def test_scoring_never_raises_or_returns_nan_on_finite_inputs(
+    xs: list[ReplicaInput], prompt: int, spread: float, temperature: float, u: float
+) -> None:
+    w = replace(W, horizon_spread=spread)
+    ranked = rank_replicas(xs, prompt, BS, w)
+    for s in ranked:
+        assert not any(math.isnan(v) for v in s.as_dict().values() if isinstance(v, float)), s
+        assert 0 <= s.expected_cached_tokens <= s.usable_blocks * BS + 1e-6
+        assert 0 <= s.predicted_cached_tokens <= s.usable_blocks * BS
+        assert 0 <= s.p_resident_tail <= s.p_resident_hot <= 1
+    assert len(pick(ranked, preference={}, temperature=temperature, u=u)) == len(xs)
