@@ -130,6 +130,20 @@ class KvServices:
         """The event-source snapshot of ``replica``, if it has a source."""
         return self.ingestion.status(replica) if self.ingestion is not None else None
 
+    def readiness(self) -> dict[str, Any]:
+        """The ``kv_events`` detail of ``/ready`` (``router.readiness``)."""
+        if self.ingestion is None:
+            return {"ok": True, "failing": {}, "restarts": {}, "sources": {}, "connected": 0}
+        health = self.ingestion.health()
+        statuses = self.ingestion.statuses()
+        return {
+            "ok": health.ok,
+            "failing": health.failing,
+            "restarts": health.restarts,
+            "sources": {rid: st.state for rid, st in sorted(statuses.items())},
+            "connected": sum(1 for st in statuses.values() if st.connected),
+        }
+
 
 class _HorizonObserver:
     """Feeds ``BlockStored`` counts into the horizon estimator (``IngestObserver``)."""
@@ -216,9 +230,9 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     try:
         await check_index(index)
         replicas = ctx.replicas
-        tasks.append(ctx.tasks.spawn(
-            keep_block_gauges(index, index_metrics,
-                              lambda: [ReplicaId(st.id) for st in replicas.all()]),
+        tasks.append(ctx.tasks.supervise(
+            lambda: keep_block_gauges(index, index_metrics,
+                                      lambda: [ReplicaId(st.id) for st in replicas.all()]),
             name="kv-index-gauges",
         ))  # fmt: skip
         specs = _sources(ctx)
@@ -233,8 +247,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer())
             ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
                                          observer=observer)
-            index_metrics.watch_sources(ingestion.statuses)
-            tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
+            index_metrics.watch_sources(ingestion.statuses, ingestion.health)
+            tasks.append(ctx.tasks.supervise(ingestion.run, name="kv-events"))
             if ctx.settings.policy == "kv":
                 await _await_live(ingestion, specs, s.startup_sync_s)
         if s.scrape.enabled:
@@ -244,7 +258,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 stale_after_s=s.scrape.stale_after_s,
             )
             scraper.add_listener(_pool_listener(horizon, lambda: ingestion))
-            tasks.append(ctx.tasks.spawn(scraper.run(), name="kv-scrape"))
+            tasks.append(ctx.tasks.supervise(scraper.run, name="kv-scrape"))
         yield KvServices(prompts, index, horizon, scraper, ingestion)
     finally:
         # Stop the tasks that use the index before closing it (the app's TaskOwner
