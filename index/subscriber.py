@@ -34,7 +34,10 @@ the interface notes):
   never forgotten.
 * If the index cannot be written (``IndexUnavailable``), the source turns ``degraded``,
   later batches are dropped, and once the index answers again the replica is cleared
-  and rebuilt from replay: nothing stale survives an outage.
+  and rebuilt from replay: nothing stale survives an outage.  A shared index that lost
+  its contents (``IndexReset``: Redis restarted empty or flushed) is the same, with
+  reason ``index_reset``; an idle source learns it from ``KVIndex.stale`` on its
+  housekeeping tick, so every replica comes back, not only those that write.
 * Repeated unknown parents (``index.ingest``) trigger the same rebuild, at most once per
   ``resync_min_interval_s``.
 * A source whose transport stays down for ``disconnect_grace_s`` (a dead engine) is
@@ -74,7 +77,7 @@ from index.events import UndecodableBatch, decode_batch
 from index.ingest import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.log_limit import RateLimitedLog
 from index.status import SourceState, SourceStatus
-from index.store import IndexUnavailable, KVIndex
+from index.store import IndexReset, IndexUnavailable, KVIndex
 from index.types import ReplicaId
 
 __all__ = [
@@ -232,6 +235,7 @@ class SourceRunner:
         self.last_seq: int | None = None
         self._live_last: int | None = None
         self._dirty = False
+        self._dirty_reason = "index_outage"
         self._resync_reason: str | None = None
         self._resync_from = 0
         """Where the next rebuild's replay starts (past a batch that must not be met again)."""
@@ -297,6 +301,14 @@ class SourceRunner:
             self._last_recover_try = now
             await self._disconnected()
             return
+        if self._resync_reason is None and not self._dirty and self.last_seq is not None:
+            try:
+                if await self._index.stale(self.source.replica):
+                    log.info("%s: the index was reset (restart or flush): rebuilding",
+                             self.source.replica)  # fmt: skip
+                    self._resync_reason = "index_reset"
+            except IndexUnavailable:
+                pass  # the next write finds out, and degrades the source
         await self._maybe_recover()
 
     async def on_live(self, seq: int, payload: bytes) -> None:
@@ -350,6 +362,7 @@ class SourceRunner:
             result = await self._ingestor.apply(batch)
         except IndexUnavailable as exc:
             self._dirty = True
+            self._dirty_reason = "index_reset" if isinstance(exc, IndexReset) else "index_outage"
             self._set(state="degraded", last_seq=seq, last_error=str(exc))
             if self._obs is not None:
                 self._obs.dropped(self.source.replica, "index_unavailable")
@@ -482,7 +495,7 @@ class SourceRunner:
             if now - self._last_recover_try < self._s.recover_interval_s:
                 return
             self._last_recover_try = now
-            await self._rebuild("index_outage")
+            await self._rebuild(self._dirty_reason)
         elif self._resync_reason is not None:
             if (
                 self._resync_reason in ("invalid_event", "undecodable")

@@ -331,6 +331,11 @@ class InstrumentedIndex:
         out: set[ReplicaId] = await self._counted("read", self.inner.replicas())
         return out
 
+    async def stale(self, replica: ReplicaId) -> bool:
+        """Counted ``stale``."""
+        out: bool = await self._counted("read", self.inner.stale(replica))
+        return out
+
     async def aclose(self) -> None:
         """Close the wrapped index."""
         await self.inner.aclose()
