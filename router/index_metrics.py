@@ -27,6 +27,8 @@ Series (labels are replica ids from the configuration, or small enums):
 ``router_kv_events_receive_lag_seconds{replica}``  gauge  engine stamp -> received
 ``router_kv_events_last_seq{replica}``         gauge      last applied sequence number
 ``router_kv_events_connected{replica}``        gauge      1 while the stream is connected
+``router_kv_block_size_mismatch_total{model}``  counter  batches stored with another block
+                                                          size than configured
 ``router_kv_events_ingestion_up``              gauge      0 while a source's subscriber
                                                           failed recently (restarting)
 ``router_kv_events_source_restarts_total{source}``  counter  subscriber failures, each
@@ -208,6 +210,12 @@ class IndexMetrics:
             "Times a replica's index entries were cleared and rebuilt, by cause.",
             ["replica", "reason"], registry=registry,
         )  # fmt: skip
+        self.block_size_mismatch = Counter(
+            "router_kv_block_size_mismatch_total",
+            "KV event batches whose blocks have another size than the model's configured "
+            "block_size (predictions for the model are off; router.block_size_check).",
+            ["model"], registry=registry,
+        )  # fmt: skip
         self._collectors: list[_SourceCollector] = []
 
     def observer(self) -> _Observer:
@@ -234,7 +242,7 @@ class IndexMetrics:
         for series in (
             self.lookup_seconds, self.write_seconds, self.unavailable, self.blocks,
             self.events_applied, self.event_blocks, self.gaps, self.events_dropped,
-            self.resyncs, *self._collectors,
+            self.resyncs, self.block_size_mismatch, *self._collectors,
         ):  # fmt: skip
             self._registry.unregister(series)  # type: ignore[arg-type]
         self._collectors.clear()

@@ -42,6 +42,7 @@ from index.renderer_registry import ModelSpec, RendererRegistry
 from index.status import SourceStatus
 from index.store import KVIndex
 from index.types import ReplicaId
+from router.block_size_check import BlockSizeCheck
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
@@ -71,7 +72,8 @@ class RegistryPrompts:
 
     With ``block_size_hint`` (auto models), a model the registry does not know is added
     on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed
-    with the block size the replicas report."""
+    with the block size the replicas report.  A model ``disabled`` says is off (its
+    replicas use another block size) has no prompt."""
 
     def __init__(
         self,
@@ -79,10 +81,12 @@ class RegistryPrompts:
         *,
         remote: bool = True,
         block_size_hint: Callable[[], int | None] | None = None,
+        disabled: Callable[[str], bool] | None = None,
     ) -> None:
         self.registry = registry
         self._remote = remote
         self._hint = block_size_hint
+        self._disabled = disabled
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
@@ -93,6 +97,8 @@ class RegistryPrompts:
         if model not in self.registry:
             if not self._learn(model):
                 return None
+        if self._disabled is not None and isinstance(model, str) and self._disabled(model):
+            return None  # its replicas use another block size (router.block_size_check)
         url = replica_url if self._remote else None
         try:
             if request.endpoint == "chat":
@@ -224,8 +230,18 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 return status.block_size
         return None
 
+    def model_of(replica: ReplicaId) -> str | None:
+        source = ingestion.sources.get(replica) if ingestion is not None else None
+        return source.model if source is not None else None
+
+    def base_of(model: str) -> str | None:
+        return registry.resolve(model).spec.name if model in registry else None
+
+    sizes = BlockSizeCheck({m.name: m.block_size for m in s.models}, model_of=model_of,
+                           base_of=base_of, mismatches=index_metrics.block_size_mismatch)
     prompts = RegistryPrompts(registry, remote=s.remote_render,
-                              block_size_hint=block_size_hint if s.auto_models else None)
+                              block_size_hint=block_size_hint if s.auto_models else None,
+                              disabled=sizes.disabled)
     tasks: list[asyncio.Task[Any]] = []
     try:
         await check_index(index)
@@ -244,7 +260,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 lease = LeaseSettings(client=index.inner.client,
                                       key_prefix=getattr(ctx.settings.index, "key_prefix",
                                                          "kvroute:"))
-            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer())
+            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer(),
+                                      sizes)
             ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
                                          observer=observer)
             index_metrics.watch_sources(ingestion.statuses, ingestion.health)
