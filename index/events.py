@@ -27,7 +27,7 @@ Decoding contract (``decode_batch``):
 * A known event that does not fit is replaced, in place, by an ``InvalidEvent`` naming
   the field at fault (ingestion drops and counts it; the rest of the batch goes on):
   a field of the wrong type or shape; a block hash that is neither an int nor 8 to 64
-  bytes; a ``BlockStored`` token id outside ``[0, 2**32)`` (what ``index.keys`` hashes);
+  bytes; a ``BlockStored`` token id outside ``[0, 2**32)`` (what ``kvkeys.keys`` hashes);
   for the indexed group (``group_idx`` 0 or absent, full or MLA attention), token ids
   that are not ``block_size * len(block_hashes)`` or a ``block_size`` outside
   ``[1, MAX_BLOCK_SIZE]``; a ``parent_block_hash`` naming one of the event's own blocks.
@@ -42,7 +42,7 @@ Decoding contract (``decode_batch``):
   test holds the two paths equal).
 
 What this module deliberately does not do: decide what an event means for the index
-(``index.ingest``), or move bytes (``index.subscriber``, ``replica.kv_publisher``).
+(``index.event_applier``), or move bytes (``index.subscriber``, ``replica.sim.kv_publisher``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from index.types import EngineKey, Medium
+from kvkeys.types import EngineKey, Medium
 
 __all__ = [
     "AllBlocksCleared",

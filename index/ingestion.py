@@ -3,7 +3,7 @@
 The router's lifespan (and ``kvroute indexer``) builds one ``KVEventIngestion`` and runs
 it as a single background task; cancelling that task stops every subscriber and closes
 every socket.  Inside, every source (configured replica, discovered DP rank, bound
-endpoint) runs under a ``Supervisor`` (``index.supervisor``): a source whose subscriber
+endpoint) runs under a ``Supervisor`` (``aio.supervisor``): a source whose subscriber
 fails is logged, counted and restarted with a backoff (a new subscriber: clear + replay
 from 0), and never stops another source; ``health()`` says which failed recently::
 
@@ -50,8 +50,9 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from index._tasks import reraise_if_cancelling
-from index.backoff import Backoff
+from aio.backoff import Backoff
+from aio.cancel import reraise_if_cancelling
+from aio.supervisor import Child, Supervisor, SupervisorHealth
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
 from index.status import SourceStatus, status_from_json, status_to_json
@@ -63,8 +64,7 @@ from index.subscriber import (
     IngestObserver,
     SubscriberSettings,
 )
-from index.supervisor import Child, Supervisor, SupervisorHealth
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["BindSpec", "KVEventIngestion", "LeaseSettings", "SourceSpec"]
 

@@ -38,7 +38,8 @@ the interface notes):
   its contents (``IndexReset``: Redis restarted empty or flushed) is the same, with
   reason ``index_reset``; an idle source learns it from ``KVIndex.stale`` on its
   housekeeping tick, so every replica comes back, not only those that write.
-* Repeated unknown parents (``index.ingest``) trigger the same rebuild, at most once per
+* Repeated unknown parents (``index.event_applier``) trigger the same rebuild, at most
+  once per
   ``resync_min_interval_s``.
 * A source whose transport stays down for ``disconnect_grace_s`` (a dead engine) is
   cleared from the index, counted as a resync (reason ``disconnected``), turns
@@ -71,14 +72,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from index._tasks import reraise_if_cancelling
-from index.backoff import Backoff
+from aio.backoff import Backoff
+from aio.cancel import reraise_if_cancelling
+from index.event_applier import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.events import UndecodableBatch, decode_batch
-from index.ingest import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.log_limit import RateLimitedLog
 from index.status import SourceState, SourceStatus
 from index.store import IndexReset, IndexUnavailable, KVIndex
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = [
     "BindSubscriber",
@@ -130,7 +131,7 @@ class SubscriberSettings:
     resync_after_unknown_parents: int = 3
     parent_cache_blocks: int = DEFAULT_PARENT_CACHE
     """Engine keys each source's ingestor remembers to resolve parents without asking
-    the index (``index.ingest``); 0 asks the index for every batch's parents."""
+    the index (``index.event_applier``); 0 asks the index for every batch's parents."""
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter
 
-from index.ingest import BatchResult
-from index.types import ReplicaId
+from index.event_applier import BatchResult
+from kvkeys.types import ReplicaId
 
 __all__ = ["BlockSizeCheck"]
 

@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from index.ingest import BatchResult
+from aio.supervisor import SupervisorHealth
+from index.event_applier import BatchResult
 from index.status import SourceStatus
 from index.store import IndexOp, IndexUnavailable, KVIndex
-from index.supervisor import SupervisorHealth
-from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 if TYPE_CHECKING:
     from index.subscriber import IngestObserver

@@ -11,7 +11,7 @@ what works and what does not::
 
 * ``kv_events.ok`` is false while KV event ingestion is down: its task, or one of its
   sources' subscribers, failed within the supervisor's ``healthy_after_s`` (each is
-  restarted with backoff, ``router.tasks`` and ``index.supervisor``).  ``sources`` gives
+  restarted with backoff, ``aio.task_owner`` and ``aio.supervisor``).  ``sources`` gives
   each event source's state (``index.status``) and ``connected`` how many streams are up.
 * ``background_tasks.ok`` is false while a supervised loop (health prober, scraper,
   gauges) failed recently.
@@ -27,14 +27,16 @@ The same facts are metrics: ``router_kv_events_ingestion_up``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from router.config import RouterSettings
-from router.replicas import ReplicaRegistry
-from router.tasks import TaskOwner
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["readiness"]
+from aio.task_owner import TaskOwner
+from router.config import RouterSettings
+from router.replica_registry import ReplicaRegistry
+
+__all__ = ["TaskCollector", "readiness"]
 
 _KV_TASK = "kv-events"
 
@@ -72,3 +74,28 @@ def readiness(
     )
     body["ready"] = ready
     return (200 if ready else 503), body
+
+
+class TaskCollector:
+    """Exports the supervised background tasks' restarts and recent failures
+    (``router_background_task_restarts_total{task}``, ``router_background_tasks_failing``),
+    read at scrape time."""
+
+    def __init__(self, owner: TaskOwner) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        health = self._owner.health()
+        restarts = CounterMetricFamily(
+            "router_background_task_restarts",
+            "Background tasks that failed and were restarted with backoff.",
+            labels=["task"],
+        )
+        for name, count in sorted(health.restarts.items()):
+            restarts.add_metric([name], count)
+        yield restarts
+        yield GaugeMetricFamily(
+            "router_background_tasks_failing",
+            "Background tasks that failed recently (restarted, or waiting to restart).",
+            value=len(health.failing),
+        )

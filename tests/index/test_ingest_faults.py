@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import pytest
 import zmq.asyncio
 
+from index.event_applier import BatchResult
 from index.events import BlockRemoved, BlockStored, KVEvent
-from index.ingest import BatchResult
 from index.ingestion import KVEventIngestion, SourceSpec
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.store import IndexOp
 from index.subscriber import SubscriberSettings
-from index.types import ReplicaId
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import ReplicaId
+from replica.sim.kv_publisher import KVEventPublisher
 
 A, B = ReplicaId("a"), ReplicaId("b")
 MODEL = "m"

@@ -22,11 +22,11 @@ import zmq.asyncio
 
 from index.events import BlockStored
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
-from index.keys import block_keys
 from index.redis_store import RedisIndex
 from index.subscriber import SubscriberSettings
-from index.types import PrefixHits, ReplicaHit, ReplicaId
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
+from replica.sim.kv_publisher import KVEventPublisher
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 NS = "kvreset"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from index.ingest import BatchResult
-from index.types import ReplicaId
+from index.event_applier import BatchResult
+from kvkeys.types import ReplicaId
 from router.block_size_check import BlockSizeCheck
 from tests.router.test_kv_integration import (  # noqa: F401 - fixtures
     MODEL,

@@ -14,10 +14,10 @@ import pytest
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from index.event_applier import BatchResult, EventIngestor
 from index.events import BlockStored
-from index.ingest import BatchResult, EventIngestor
-from index.types import ReplicaId
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.types import ReplicaId
+from replica.sim.kv_publisher import KVEventPublisher
 from router.app import create_app
 from router.config import RouterSettings
 from tests.router.fake_replica import FakeReplica
