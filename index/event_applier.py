@@ -33,8 +33,19 @@ Rules (vLLM 0.32 semantics, ``shared/docs/vllm-interfaces.md`` section 1):
   CPU copy).  ``AllBlocksCleared`` clears the replica.
 * Only the full-attention group 0 is indexed: events with ``group_idx`` not in
   ``(None, 0)`` or a ``kv_cache_spec_kind`` other than full/MLA attention are skipped.
-* A ``BlockStored`` whose ``token_ids`` length is not ``block_size * len(block_hashes)``
-  is malformed for a full-attention group: skipped and counted.
+* An ``InvalidEvent`` (``index.events``: a known event that does not fit its contract,
+  e.g. a token id outside ``[0, 2**32)``, a malformed hash, token ids that are not
+  ``block_size * len(block_hashes)``) is dropped and counted as ``invalid_<field>``; the
+  rest of the batch is applied.  Its consequences are kept consistent:
+
+  - a dropped store only loses blocks (the index under-predicts); its hashes, when they
+    could be read, are remembered (``orphan_cache`` of them, oldest dropped first), and a
+    later store whose parent is one of them is dropped too (``invalid_parent``) and
+    remembered in turn, without counting towards a resynchronisation, which would
+    replay the same bad event and change nothing;
+  - a dropped removal (or an entry that is no event at all) may leave blocks indexed
+    that the engine no longer holds: the result says ``hole``, and the subscriber
+    rebuilds the source from the next batch on (``index.subscriber``).
 
 Which model a replica serves (the key root) comes from configuration or discovery; the
 block size comes from the events (``last_block_size``).
@@ -48,7 +59,14 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Final
 
-from index.events import ClearedEvent, DecodedBatch, RemovedEvent, StoredEvent
+from index.events import (
+    INDEXED_KINDS,
+    ClearedEvent,
+    DecodedBatch,
+    InvalidEvent,
+    RemovedEvent,
+    StoredEvent,
+)
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp, KVIndex
 from kvkeys.keys import block_keys
 from kvkeys.types import EngineKey, ReplicaId, RequestKey
@@ -57,12 +75,14 @@ __all__ = ["BatchResult", "EventIngestor", "salt_and_usable_blocks"]
 
 log = logging.getLogger(__name__)
 
-_INDEXED_KINDS: Final = frozenset({None, "full_attention", "mla_attention"})
-
 DEFAULT_PARENT_CACHE: Final = 65_536
 """Engine keys an ingestor remembers to resolve parents locally: about a GPU pool's worth
 of blocks per source (a few MB), which covers every parent of a replica whose cache has
 not turned over."""
+
+DEFAULT_ORPHAN_CACHE: Final = 16_384
+"""Hashes of dropped (invalid) stores and of their dropped descendants remembered per
+source, to tell their children from children of history that was missed."""
 
 
 @dataclass(slots=True)
@@ -74,11 +94,18 @@ class BatchResult:
     blocks_stored: int = 0
     blocks_removed: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
-    """Events not applied, by reason: ``unknown_parent``, ``malformed``,
-    ``other_group``, ``unknown_tag``."""
+    """Events not applied, by reason: ``unknown_parent``, ``invalid_<field>``,
+    ``invalid_parent``, ``other_group``, ``unknown_tag``, ``unsupported_extra_keys``."""
     resync_requested: bool = False
     """Consecutive unknown parents reached the threshold: rebuild this replica."""
     cleared: bool = False
+    invalid: list[InvalidEvent] = field(default_factory=list)
+    """The invalid events dropped (for the subscriber's log)."""
+    hole: bool = False
+    """An invalid removal was dropped: blocks the engine dropped may still be indexed,
+    so the source must be rebuilt from the batches after this one."""
+    block_size: int | None = None
+    """The block size of the last store applied (the replica's)."""
 
 
 def salt_and_usable_blocks(
@@ -120,6 +147,7 @@ class EventIngestor:
         *,
         resync_after: int = 3,
         parent_cache: int = DEFAULT_PARENT_CACHE,
+        orphan_cache: int = DEFAULT_ORPHAN_CACHE,
     ) -> None:
         self.index = index
         self.replica = replica
@@ -128,6 +156,8 @@ class EventIngestor:
         self._unknown_streak = 0
         self._parent_cap = parent_cache
         self._parents: dict[EngineKey, RequestKey] = {}
+        self._orphan_cap = orphan_cache
+        self._orphans: dict[EngineKey, None] = {}
         self.last_block_size: int | None = None
         """The block size of the last ``BlockStored`` with tokens (the replica's)."""
 
@@ -135,6 +165,7 @@ class EventIngestor:
         """Forget per-source history (after the replica was cleared)."""
         self._unknown_streak = 0
         self._parents.clear()
+        self._orphans.clear()
 
     async def apply(self, batch: DecodedBatch) -> BatchResult:
         """Apply one batch; raises ``IndexUnavailable`` if the index cannot be written
@@ -173,6 +204,8 @@ class EventIngestor:
         for ev in batch.events:
             if isinstance(ev, StoredEvent):
                 self._stored(ev, ops, overlay, known, cleared, result)
+            elif isinstance(ev, InvalidEvent):
+                self._invalid(ev, result)
             elif isinstance(ev, RemovedEvent):
                 if ev.group_idx not in (None, 0):
                     result.dropped["other_group"] += 1
@@ -183,6 +216,7 @@ class EventIngestor:
             else:
                 ops.append(ClearOp())
                 overlay.clear()
+                self._orphans.clear()
                 cleared = True
                 result.cleared = True
                 result.applied["AllBlocksCleared"] += 1
@@ -192,6 +226,23 @@ class EventIngestor:
         if result.cleared:
             self._unknown_streak = 0
         return result
+
+    def _invalid(self, ev: InvalidEvent, result: BatchResult) -> None:
+        result.dropped[f"invalid_{ev.field}"] += 1
+        result.invalid.append(ev)
+        if ev.kind == "BlockStored":
+            if ev.block_hashes:
+                self._orphan(ev.block_hashes)
+        else:
+            result.hole = True
+
+    def _orphan(self, hashes: list[EngineKey]) -> None:
+        orphans = self._orphans
+        orphans.update(dict.fromkeys(hashes))
+        excess = len(orphans) - self._orphan_cap
+        if excess > 0:
+            for ek in list(islice(orphans, excess)):
+                del orphans[ek]
 
     def _remember(self, ops: list[IndexOp]) -> None:
         """Record what the index now maps (after ``ops`` were applied), for parents."""
@@ -220,7 +271,7 @@ class EventIngestor:
         cleared: bool,
         result: BatchResult,
     ) -> None:
-        if ev.group_idx not in (None, 0) or ev.kv_cache_spec_kind not in _INDEXED_KINDS:
+        if ev.group_idx not in (None, 0) or ev.kv_cache_spec_kind not in INDEXED_KINDS:
             result.dropped["other_group"] += 1
             return
         hashes = ev.block_hashes
@@ -229,16 +280,17 @@ class EventIngestor:
             result.applied["BlockStored"] += 1
             result.blocks_stored += len(hashes)
             return
-        bs = ev.block_size
-        if bs <= 0 or len(ev.token_ids) != bs * len(hashes):
-            result.dropped["malformed"] += 1
-            return
+        bs = ev.block_size  # consistent with the tokens (checked by the decoder)
         parent_key: RequestKey | None = None
         parent = ev.parent_block_hash
         if parent is not None:
             parent_key = overlay.get(parent)
             if parent_key is None and not cleared:
                 parent_key = known.get(parent)
+            if parent_key is None and parent in self._orphans:
+                result.dropped["invalid_parent"] += 1
+                self._orphan(hashes)
+                return
             if parent_key is None:
                 result.dropped["unknown_parent"] += 1
                 self._unknown_streak += 1
@@ -263,5 +315,6 @@ class EventIngestor:
         ops.append(AddOp(used, keys, ev.medium))
         overlay.update(zip(used, keys, strict=True))
         self.last_block_size = bs
+        result.block_size = bs
         result.applied["BlockStored"] += 1
         result.blocks_stored += usable

@@ -2,12 +2,16 @@
 
 The router's lifespan (and ``kvroute indexer``) builds one ``KVEventIngestion`` and runs
 it as a single background task; cancelling that task stops every subscriber and closes
-every socket::
+every socket.  Inside, every source (configured replica, discovered DP rank, bound
+endpoint) runs under a ``Supervisor`` (``aio.supervisor``): a source whose subscriber
+fails is logged, counted and restarted with a backoff (a new subscriber: clear + replay
+from 0), and never stops another source; ``health()`` says which failed recently::
 
     ingestion = KVEventIngestion(index, specs, http=session)
     task = tasks.spawn(ingestion.run(), name="kv-events")
     ...
     ingestion.statuses()        # {source id: SourceStatus}, read by scoring
+    ingestion.health()          # SupervisorHealth: ok, failing, restarts
 
 Each ``SourceSpec`` is one replica as configured:
 
@@ -31,6 +35,7 @@ processes never clear (see ``index.subscriber`` for what bind mode detects).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -47,6 +52,7 @@ from redis.exceptions import RedisError
 
 from aio.backoff import Backoff
 from aio.cancel import reraise_if_cancelling
+from aio.supervisor import Child, Supervisor, SupervisorHealth
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
 from index.status import SourceStatus, status_from_json, status_to_json
@@ -127,6 +133,10 @@ class KVEventIngestion:
         self._discovery_timeout = discovery_timeout_s
         self._backoff = Backoff(1.0, discovery_retry_cap_s, rng=random.Random())
         self._ctx = context
+        self._sup = Supervisor(
+            Backoff(self._s.backoff_base_s, self._s.backoff_cap_s, rng=random.Random()),
+            healthy_after_s=self._s.restart_healthy_after_s,
+        )
         self._local: dict[ReplicaId, SourceStatus] = {}
         self._remote: dict[ReplicaId, SourceStatus] = {}
         self._owned: set[ReplicaId] = set()
@@ -147,6 +157,11 @@ class KVEventIngestion:
         """One source's snapshot, if known."""
         return self.statuses().get(replica)
 
+    def health(self) -> SupervisorHealth:
+        """Sources whose subscriber failed recently (restarted with backoff), and how
+        often each was restarted."""
+        return self._sup.health()
+
     def _on_status(self, status: SourceStatus) -> None:
         if self._lease is not None and status.replica in self._owned:
             status = status.with_changes(owner=self._lease.owner)
@@ -164,14 +179,16 @@ class KVEventIngestion:
         http = self._http
         if own_http:
             http = aiohttp.ClientSession()
+        children: list[Child] = [
+            (f"kv:{spec.replica}", functools.partial(self._run_spec, spec, ctx, http))
+            for spec in self._specs
+        ]
+        children += [(f"kv-bind:{bind.endpoint}", functools.partial(self._run_bind, bind, ctx))
+                     for bind in self._binds]  # fmt: skip
+        if self._lease is not None:
+            children.append(("kv-status", self._publish_statuses))
         try:
-            async with asyncio.TaskGroup() as tg:
-                for spec in self._specs:
-                    tg.create_task(self._run_spec(spec, ctx, http), name=f"kv:{spec.replica}")
-                for bind in self._binds:
-                    tg.create_task(self._run_bind(bind, ctx), name=f"kv-bind:{bind.endpoint}")
-                if self._lease is not None:
-                    tg.create_task(self._publish_statuses(), name="kv-status")
+            await self._sup.run(children)
         finally:
             if own_http and http is not None:
                 await http.close()
@@ -194,14 +211,16 @@ class KVEventIngestion:
         if spec.url is None or http is None:
             raise ValueError(f"{spec.replica}: needs an endpoint or a url")
         discovered = await self._discover(spec, http)
-        async with asyncio.TaskGroup() as tg:
-            for d in discovered:
-                if d.mode == "connect":
-                    tg.create_task(self._run_connect(d.source, ctx))
-                else:
-                    assert d.bind_endpoint is not None
-                    bind = BindSpec(d.bind_endpoint, {d.source.topic: d.source})
-                    tg.create_task(self._run_bind(bind, ctx))
+        children: list[Child] = []
+        for d in discovered:
+            if d.mode == "connect":
+                run = functools.partial(self._run_connect, d.source, ctx)
+            else:
+                assert d.bind_endpoint is not None
+                bind = BindSpec(d.bind_endpoint, {d.source.topic: d.source})
+                run = functools.partial(self._run_bind, bind, ctx)
+            children.append((f"kv-source:{d.source.replica}", run))
+        await self._sup.run(children)
 
     async def _discover_model(self, spec: SourceSpec, http: aiohttp.ClientSession) -> str:
         assert spec.url is not None

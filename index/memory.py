@@ -335,6 +335,10 @@ class InMemoryIndex:
         """Replicas that hold at least one block."""
         return {rid for rid, r in self._replicas.items() if r.request}
 
+    async def stale(self, replica: ReplicaId) -> bool:
+        """Never: what this process holds cannot be lost behind its back."""
+        return False
+
     def blocks(self, replica: ReplicaId) -> int:
         """Distinct request keys ``replica`` holds in any tier (for metrics)."""
         r = self._replicas.get(replica)

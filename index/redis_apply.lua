@@ -1,16 +1,21 @@
 -- kvroute RedisIndex (layout 2): apply one event batch's operations for one replica,
 -- atomically.
--- ARGV: ns, replica, stride, ttl_s, then ops, each: code, tier, n, payload...
+-- ARGV: ns, replica, stride, ttl_s, epoch, then ops, each: code, tier, n, payload...
 --   'a' (add): two payload args, n engine keys then n request keys
 --   'k' (add by engine key): one payload arg, n engine keys
 --   'e' (evict): one payload arg, n engine keys
 --   'c' (clear): n = 0, no payload
 -- A payload is its keys as 16 hex digits each, concatenated: keys are never converted to
 -- Lua numbers (doubles), and one argument per op keeps the client's encoding cheap.
--- Returns the replica's bit position.
+-- Returns the replica's bit position.  Refuses to write (error 'kvroute:reset') unless
+-- the namespace's epoch is the client's: after Redis restarted empty or was flushed, bit
+-- positions are handed out anew and the client must learn them first.
 local ns, replica = ARGV[1], ARGV[2]
 local stride = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
+if redis.call('HGET', ns .. ':meta', 'epoch') ~= ARGV[5] then
+  return redis.error_reply('kvroute:reset the namespace is not epoch ' .. ARGV[5])
+end
 local rid = redis.call('HGET', ns .. ':rid', replica)
 if rid then
   rid = tonumber(rid)
@@ -113,7 +118,7 @@ local function clear()
   redis.call('DEL', ekey, rkey)
 end
 
-local i = 5
+local i = 6
 local nargs = #ARGV
 while i <= nargs do
   local op, tier, n = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])

@@ -1,7 +1,9 @@
 -- kvroute RedisIndex (layout 2): the tier bitmaps of a prompt's block keys, in order, up
 -- to the first key nobody holds (keys are chained, so nothing after it can hit).
 -- ARGV[1]: the mask key prefix (ns:m:); ARGV[2]: the request keys, 16 hex digits each,
--- concatenated.
+-- concatenated; ARGV[3]: the namespace's meta key.
+-- Returns {epoch, runs}: the namespace's epoch ('' if none) with the runs, read together,
+-- so the client decodes bit positions with the names of that epoch.
 -- Returns one string of runs: consecutive keys with the same bitmap are sent once, as
 -- a 3-byte big-endian count, a length byte, then the bitmap.  (Holders change only where
 -- some replica's cached prefix ends, so a 400-key prompt is a handful of runs; one
@@ -43,4 +45,5 @@ while i <= n and not done do
   i = last + 1
 end
 if prev then emit() end
-return table.concat(out)
+local epoch = redis.call('HGET', ARGV[3], 'epoch') or ''
+return {epoch, table.concat(out)}

@@ -8,8 +8,9 @@ first, so ``redis-cli`` shows and takes them as they are):
 key                            type    content
 =============================  ======  ==================================================
 ``ns:meta``                    hash    ``next_rid`` (replica bit allocator), ``stride``,
-                                       ``layout`` (``2``)
-``ns:rid`` / ``ns:rname``      hash    replica id <-> bit position (kept for good)
+                                       ``layout`` (``2``), ``epoch`` (random, set when the
+                                       namespace is created)
+``ns:rid`` / ``ns:rname``      hash    replica id <-> bit position (kept for the epoch)
 ``ns:m:<request key>``         string  tier bitmap: bit ``tier * stride + rid`` (SETBIT
                                        order) set while the replica holds the block in that
                                        tier (0 GPU, 1 CPU, 2 STORAGE); deleted when empty
@@ -33,6 +34,22 @@ Contracts:
 * **Atomic updates**: ``apply`` sends one event batch's operations as one Lua script call
   (``redis_apply.lua``), each operation's keys as one argument; readers see a batch
   entirely or not at all.
+* **Replica identity survives a reset.**  Bit positions are handed out by the first
+  write of each replica, so after Redis restarts empty or is flushed they are handed
+  out anew, in whatever order replicas write first (two routers may well register them
+  in different orders).  The namespace's ``epoch`` names one such life: it is created
+  with the namespace (``HSETNX``, so concurrent routers agree on one), every lookup reads
+  it in the same script as the bitmaps, and the names cached for another epoch are
+  re-read (with the epoch, in one transaction) before any bit is decoded; bits of an
+  epoch are never reused, so names read later in the same epoch are a superset.  Every
+  write passes the epoch this client knows: a write into another (or no) epoch is
+  refused by the script, the client re-reads the namespace and raises ``IndexReset``
+  (an ``IndexUnavailable``).  The client also remembers, per replica, the epoch its
+  entries were (re)built in (the epoch of its first write, or of its last clear), and
+  refuses with ``IndexReset`` a write for a replica built in an older epoch, except a
+  clear, so *every* replica is rebuilt by its ingester (clear + replay,
+  ``index.subscriber``), not only the first to write; ``stale(replica)`` tells an idle
+  ingester the same (the epoch is re-read at most every ``epoch_check_s``).
 * **Bounded memory**: every key written carries a TTL (``ttl_s``, default one day): a
   block's bitmap is refreshed whenever a replica newly holds it in a tier, a replica's
   hashes whenever its events are applied.  So the state of a replica nobody ingests any
@@ -54,8 +71,10 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import time
+import uuid
 from array import array
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from importlib import resources
@@ -68,7 +87,15 @@ from redis.exceptions import RedisError
 
 from aio.cancel import reraise_if_cancelling
 from index.masks import holder_mask, scan_runs
-from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp, IndexUnavailable
+from index.store import (
+    AddByEngineKeyOp,
+    AddOp,
+    ClearOp,
+    EvictOp,
+    IndexOp,
+    IndexReset,
+    IndexUnavailable,
+)
 from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 __all__ = ["RedisIndex"]
@@ -80,6 +107,8 @@ _TIER: Final[dict[Medium, int]] = {Medium.GPU: 0, Medium.CPU: 1, Medium.STORAGE:
 # int.from_bytes(..., "little") put Redis bit p at int bit p.
 _REVERSE: Final = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _LAYOUT: Final = "2"
+_RESET_MARK: Final = "kvroute:reset"
+"""What ``redis_apply.lua`` answers when the namespace is not the client's epoch."""
 
 
 def _hex(keys: Sequence[int]) -> str:
@@ -88,6 +117,10 @@ def _hex(keys: Sequence[int]) -> str:
     if sys.byteorder == "little":
         packed.byteswap()
     return packed.tobytes().hex()
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _script(name: str) -> str:
@@ -107,6 +140,7 @@ class RedisIndex:
         ttl_s: int = 86_400,
         max_replicas: int = 256,
         names_refresh_s: float = 1.0,
+        epoch_check_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._r = client
@@ -124,8 +158,15 @@ class RedisIndex:
         self._names: list[ReplicaId] = []
         self._names_at = -1e18
         self._names_refresh = names_refresh_s
+        self._names_epoch: str | None = None
+        """The epoch ``_names`` was read in."""
         self._clock = clock
-        self._meta_checked = False
+        self._epoch: str | None = None
+        """The epoch this client writes to (``None``: read the namespace first)."""
+        self._built: dict[ReplicaId, str] = {}
+        """Per replica, the epoch its entries were (re)built in through this client."""
+        self._epoch_check = epoch_check_s
+        self._seen_epoch: tuple[float, str | None] = (-1e18, None)
 
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 0.05, **kwargs: object) -> RedisIndex:
@@ -166,23 +207,23 @@ class RedisIndex:
         await self._check_meta()
 
     async def _check_meta(self) -> None:
-        if self._meta_checked:
+        if self._epoch is not None:
             return
         meta = f"{self.ns}:meta"
 
         async def check() -> list[bytes | str | None]:
-            found: list[bytes | str | None] = await self._r.hmget(
-                meta, ["stride", "layout", "next_rid"]
-            )
-            if found == [None, None, None]:  # a new namespace
+            fields = ["stride", "layout", "next_rid", "epoch"]
+            found: list[bytes | str | None] = await self._r.hmget(meta, fields)
+            if found[:3] == [None, None, None]:  # a new namespace (or a reset one)
                 async with self._r.pipeline(transaction=True) as pipe:
                     pipe.hsetnx(meta, "stride", self._stride)
                     pipe.hsetnx(meta, "layout", _LAYOUT)
-                    pipe.hmget(meta, ["stride", "layout", "next_rid"])
+                    pipe.hsetnx(meta, "epoch", uuid.uuid4().hex)
+                    pipe.hmget(meta, fields)
                     found = (await pipe.execute())[-1]
             return found
 
-        stride, layout, _ = await self._call(check, self._write_timeout)
+        stride, layout, _, epoch = await self._call(check, self._write_timeout)
         if stride is not None and int(stride) != self._stride:
             raise ValueError(
                 f"namespace {self.ns!r} was created with max_replicas={int(stride)}, "
@@ -193,12 +234,55 @@ class RedisIndex:
                 f"namespace {self.ns!r} holds another kvroute key layout ({layout!r}; this "
                 f"version writes layout {_LAYOUT}): use a new key_prefix or delete the namespace"
             )
-        self._meta_checked = True
+        if epoch is None:  # created by a version without epochs
+
+            async def add_epoch() -> bytes | str | None:
+                async with self._r.pipeline(transaction=True) as pipe:
+                    pipe.hsetnx(meta, "epoch", uuid.uuid4().hex)
+                    pipe.hget(meta, "epoch")
+                    value: bytes | str | None = (await pipe.execute())[-1]
+                    return value
+
+            epoch = await self._call(add_epoch, self._write_timeout)
+        self._epoch = _text(epoch)
+
+    def _reset_seen(self) -> None:
+        """The namespace is not the epoch this client knew: forget what depends on it."""
+        self._epoch = None
+        self._names, self._bits, self._names_epoch = [], {}, None
+        self._names_at = -1e18
+        self._seen_epoch = (-1e18, None)
+
+    async def stale(self, replica: ReplicaId) -> bool:
+        """Whether ``replica``'s entries, built through this client, were lost to a reset
+        of the namespace since (Redis restarted empty or flushed): its ingester must
+        rebuild it.  The epoch is re-read at most every ``epoch_check_s``."""
+        built = self._built.get(replica)
+        if built is None:
+            return False
+        at, epoch = self._seen_epoch
+        now = self._clock()
+        if now - at >= self._epoch_check:
+            raw = await self._call(
+                lambda: self._r.hget(f"{self.ns}:meta", "epoch"), self._op_timeout
+            )
+            epoch = _text(raw)
+            self._seen_epoch = (now, epoch)
+            if epoch != self._epoch and self._epoch is not None:
+                self._reset_seen()
+                self._seen_epoch = (now, epoch)
+        return epoch != built
 
     async def _refresh_names(self) -> None:
-        raw: dict[bytes | str, bytes | str] = await self._call(
-            lambda: self._r.hgetall(f"{self.ns}:rname"), self._op_timeout
-        )
+        async def read() -> list[object]:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.hget(f"{self.ns}:meta", "epoch")
+                pipe.hgetall(f"{self.ns}:rname")
+                found: list[object] = await pipe.execute()
+                return found
+
+        epoch_raw, raw_names = await self._call(read, self._op_timeout)
+        raw: dict[bytes | str, bytes | str] = raw_names  # type: ignore[assignment]
         names: list[ReplicaId] = []
         bits: dict[ReplicaId, int] = {}
         for b, n in raw.items():
@@ -209,6 +293,7 @@ class RedisIndex:
             names[bit] = rid
             bits[rid] = bit
         self._names, self._bits = names, bits
+        self._names_epoch = _text(epoch_raw)  # type: ignore[arg-type]
         self._names_at = self._clock()
 
     # ------------------------------------------------------------------ reads
@@ -222,11 +307,17 @@ class RedisIndex:
             return PrefixHits()
         pre = f"{self.ns}:m:"
         arg = _hex(keys)
-        blob: bytes = await self._call(
-            lambda: self._lookup(keys=[], args=[pre, arg]), self._op_timeout
+        epoch_raw, blob = await self._call(
+            lambda: self._lookup(keys=[], args=[pre, arg, f"{self.ns}:meta"]), self._op_timeout
         )
         if not blob:
             return PrefixHits()
+        epoch = _text(epoch_raw)
+        if epoch != self._names_epoch:
+            # Bits were handed out in another life of the namespace: names first.
+            await self._refresh_names()
+            if epoch != self._names_epoch:
+                return PrefixHits()  # reset again in between: no information
         s, lim = self._stride, self._lim
         rev = _REVERSE
         runs: list[tuple[int, int]] = []
@@ -302,11 +393,37 @@ class RedisIndex:
     # ------------------------------------------------------------------ writes
 
     async def apply(self, replica: ReplicaId, ops: Sequence[IndexOp]) -> None:
-        """Apply ``ops`` in order as one atomic script call."""
+        """Apply ``ops`` in order as one atomic script call; ``IndexReset`` if the
+        namespace was reset since ``replica`` was built (unless ``ops`` clear it)."""
         if not ops:
             return
-        await self._check_meta()
-        args: list[str | int] = [self.ns, replica, self._stride, self._ttl]
+        rebuilds = any(isinstance(op, ClearOp) for op in ops)
+        body = self._encode(ops)
+        for attempt in (0, 1):
+            await self._check_meta()
+            epoch = self._epoch
+            assert epoch is not None
+            built = self._built.get(replica)
+            if built is not None and built != epoch and not rebuilds:
+                raise IndexReset(f"redis namespace {self.ns!r} was reset since {replica} "
+                                 "was indexed: rebuild it")  # fmt: skip
+            args: list[str | int] = [self.ns, replica, self._stride, self._ttl, epoch, *body]
+            try:
+                await self._call(functools.partial(self._apply, args=args), self._write_timeout)
+            except IndexUnavailable as exc:
+                if _RESET_MARK not in str(exc):
+                    raise
+                self._reset_seen()
+                if rebuilds and attempt == 0:
+                    continue  # a clear may go into the new epoch at once
+                raise IndexReset(f"redis namespace {self.ns!r} was reset (restart or "
+                                 "flush): rebuild") from exc  # fmt: skip
+            if rebuilds or built is None:
+                self._built[replica] = epoch
+            return
+
+    def _encode(self, ops: Sequence[IndexOp]) -> list[str | int]:
+        args: list[str | int] = []
         for op in ops:
             if isinstance(op, AddOp):
                 if len(op.engine_keys) != len(op.request_keys):
@@ -319,7 +436,7 @@ class RedisIndex:
                 args += ("e", _TIER[op.medium], len(op.engine_keys), _hex(op.engine_keys))
             elif isinstance(op, ClearOp):
                 args += ("c", 0, 0)
-        await self._call(lambda: self._apply(args=args), self._write_timeout)
+        return args
 
     async def add(
         self,

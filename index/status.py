@@ -58,6 +58,8 @@ class SourceStatus:
     """Times the replica's entries were cleared and rebuilt (restart, lost history,
     failed replay, index outage, lease takeover, disconnection, reconnection)."""
     undecodable: int = 0
+    invalid_events: int = 0
+    """Events dropped because they did not fit their contract (``index.events``)."""
     last_reset_wall: float | None = None
     last_reset_monotonic: float | None = None
     last_error: str | None = None

@@ -27,6 +27,11 @@ class IndexUnavailable(Exception):
     Never an HTTP error: the router counts it and routes without KV information."""
 
 
+class IndexReset(IndexUnavailable):
+    """The backend lost what was written (a shared store restarted empty or was
+    flushed): the writer must rebuild its replicas (clear, then replay)."""
+
+
 @dataclass(frozen=True, slots=True)
 class AddOp:
     """``add``: blocks stored with tokens (engine keys paired with request keys)."""
@@ -116,6 +121,12 @@ class KVIndex(Protocol):
 
     async def replicas(self) -> set[ReplicaId]:
         """Replicas that hold at least one block."""
+        ...
+
+    async def stale(self, replica: ReplicaId) -> bool:
+        """Whether ``replica``'s entries written through this client were lost since
+        (``IndexReset``): its ingester rebuilds it.  Always ``False`` for a store that
+        cannot lose them (in memory)."""
         ...
 
     async def aclose(self) -> None:

@@ -24,11 +24,22 @@ the interface notes):
 * A live ``seq`` at or below the last *live* one means the engine restarted (vLLM starts
   from 0 and sends no ``AllBlocksCleared``): clear, then replay from 0.  Live messages
   already applied through replay are ignored.
-* An undecodable payload is counted and skipped (its seq still counts).
+* An undecodable payload is counted and skipped (its seq still counts).  An invalid
+  event (``index.events.InvalidEvent``) is dropped and counted by the ingestor while the
+  rest of its batch is applied, with one rate-limited log line per source and field.
+  When what was dropped may have been a removal (an undecodable batch, an invalid
+  ``BlockRemoved``), blocks the engine dropped could stay indexed: the source is rebuilt
+  (clear, then replay from the batch *after* the bad one, so it is not met again; reason
+  ``invalid_event`` or ``undecodable``), at most once per ``resync_min_interval_s`` but
+  never forgotten.
 * If the index cannot be written (``IndexUnavailable``), the source turns ``degraded``,
   later batches are dropped, and once the index answers again the replica is cleared
-  and rebuilt from replay: nothing stale survives an outage.
-* Repeated unknown parents (``index.event_applier``) trigger the same rebuild, at most once per
+  and rebuilt from replay: nothing stale survives an outage.  A shared index that lost
+  its contents (``IndexReset``: Redis restarted empty or flushed) is the same, with
+  reason ``index_reset``; an idle source learns it from ``KVIndex.stale`` on its
+  housekeeping tick, so every replica comes back, not only those that write.
+* Repeated unknown parents (``index.event_applier``) trigger the same rebuild, at most
+  once per
   ``resync_min_interval_s``.
 * A source whose transport stays down for ``disconnect_grace_s`` (a dead engine) is
   cleared from the index, counted as a resync (reason ``disconnected``), turns
@@ -65,8 +76,9 @@ from aio.backoff import Backoff
 from aio.cancel import reraise_if_cancelling
 from index.event_applier import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.events import UndecodableBatch, decode_batch
+from index.log_limit import RateLimitedLog
 from index.status import SourceState, SourceStatus
-from index.store import IndexUnavailable, KVIndex
+from index.store import IndexReset, IndexUnavailable, KVIndex
 from kvkeys.types import ReplicaId
 
 __all__ = [
@@ -123,6 +135,13 @@ class SubscriberSettings:
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0
+    """Reopening a socket, and restarting a source whose subscriber failed."""
+    restart_healthy_after_s: float = 10.0
+    """A restarted source counts as failing (``KVEventIngestion.health``) this long, and
+    a run this long resets its restart backoff."""
+    invalid_log_interval_s: float = 10.0
+    """At most one log line per source and invalid field (or undecodable batch) this
+    often; every occurrence is counted in metrics."""
 
 
 class IngestObserver(Protocol):
@@ -217,7 +236,12 @@ class SourceRunner:
         self.last_seq: int | None = None
         self._live_last: int | None = None
         self._dirty = False
+        self._dirty_reason = "index_outage"
         self._resync_reason: str | None = None
+        self._resync_from = 0
+        """Where the next rebuild's replay starts (past a batch that must not be met again)."""
+        self._bad_log = RateLimitedLog(log, interval_s=settings.invalid_log_interval_s,
+                                       clock=clock)  # fmt: skip
         self._last_resync = -1e18
         self._last_recover_try = -1e18
         self._down_since: float | None = clock()
@@ -278,6 +302,14 @@ class SourceRunner:
             self._last_recover_try = now
             await self._disconnected()
             return
+        if self._resync_reason is None and not self._dirty and self.last_seq is not None:
+            try:
+                if await self._index.stale(self.source.replica):
+                    log.info("%s: the index was reset (restart or flush): rebuilding",
+                             self.source.replica)  # fmt: skip
+                    self._resync_reason = "index_reset"
+            except IndexUnavailable:
+                pass  # the next write finds out, and degrades the source
         await self._maybe_recover()
 
     async def on_live(self, seq: int, payload: bytes) -> None:
@@ -288,6 +320,7 @@ class SourceRunner:
                      self._live_last, seq)  # fmt: skip
             self._live_last = seq
             self._resync_reason = "restart"
+            self._resync_from = 0
             self._last_resync = -1e18  # restarts are never rate-limited
             await self._maybe_recover()
             if self.last_seq is None or seq > self.last_seq:
@@ -314,10 +347,12 @@ class SourceRunner:
         try:
             batch = decode_batch(payload)
         except UndecodableBatch as exc:
-            log.warning("%s: dropping undecodable batch %d: %s", self.source.replica, seq, exc)
+            self._bad_log.warning("undecodable", "%s: dropping undecodable batch %d: %s",
+                                  self.source.replica, seq, exc)  # fmt: skip
             self._set(last_seq=seq, undecodable=self._status.undecodable + 1)
             if self._obs is not None:
                 self._obs.dropped(self.source.replica, "undecodable")
+            self._hole(seq, "undecodable")
             return
         if self._dirty:
             if self._obs is not None:
@@ -328,6 +363,7 @@ class SourceRunner:
             result = await self._ingestor.apply(batch)
         except IndexUnavailable as exc:
             self._dirty = True
+            self._dirty_reason = "index_reset" if isinstance(exc, IndexReset) else "index_outage"
             self._set(state="degraded", last_seq=seq, last_error=str(exc))
             if self._obs is not None:
                 self._obs.dropped(self.source.replica, "index_unavailable")
@@ -343,12 +379,27 @@ class SourceRunner:
             changes["receive_lag_s"] = max(0.0, recv_wall - batch.ts)
         if self._status.state in ("starting", "resyncing"):
             changes["state"] = "live"
+        if result.invalid:
+            changes["invalid_events"] = self._status.invalid_events + len(result.invalid)
+            for bad in result.invalid:
+                self._bad_log.warning(
+                    f"invalid:{bad.field}", "%s: dropping an invalid %s in batch %d (field %s: "
+                    "%s)", self.source.replica, bad.kind, seq, bad.field, bad.detail,
+                )  # fmt: skip
         self._set(**changes)
+        if result.hole:
+            self._hole(seq, "invalid_event")
         if self._obs is not None:
             self._obs.batch_applied(self.source.replica, result)
         if result.resync_requested and self._resync_reason is None:
             if self._clock() - self._last_resync >= self._s.resync_min_interval_s:
                 self._resync_reason = "unknown_parent"
+
+    def _hole(self, seq: int, reason: str) -> None:
+        """Batch ``seq`` may have held removals that were not applied: rebuild past it."""
+        self._resync_from = max(self._resync_from, seq + 1)
+        if self._resync_reason is None:
+            self._resync_reason = reason
 
     async def _replay(self, start: int, until: int) -> None:
         """Fill the gap ``start..until``; if the replica no longer has it, or replay fails,
@@ -409,6 +460,7 @@ class SourceRunner:
             return  # degraded: retried every ``recover_interval_s`` by ``tick``
         self._down_cleared = True
         self._resync_reason = None
+        self._resync_from = 0
         self.last_seq = None
         self._live_last = None
         self._set(state="disconnected", last_seq=None)
@@ -419,11 +471,12 @@ class SourceRunner:
         if not await self._clear(reason):
             return
         self.last_seq = None
+        start, self._resync_from = self._resync_from, 0
         ep = self.source.replay_endpoint
         if ep is not None:
             try:
                 msgs = await fetch_replay(
-                    self._ctx, ep, 0, timeout_s=self._s.replay_timeout_s,
+                    self._ctx, ep, start, timeout_s=self._s.replay_timeout_s,
                     total_s=self._s.replay_total_s,
                 )  # fmt: skip
             except ReplayFailed as exc:
@@ -443,8 +496,13 @@ class SourceRunner:
             if now - self._last_recover_try < self._s.recover_interval_s:
                 return
             self._last_recover_try = now
-            await self._rebuild("index_outage")
+            await self._rebuild(self._dirty_reason)
         elif self._resync_reason is not None:
+            if (
+                self._resync_reason in ("invalid_event", "undecodable")
+                and self._clock() - self._last_resync < self._s.resync_min_interval_s
+            ):
+                return
             await self._rebuild(self._resync_reason)
 
 

@@ -15,9 +15,9 @@ is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse ord
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
-policy), ``GET /health`` (liveness), ``GET /ready`` (200 iff a replica is healthy),
-``GET /metrics``.  The proxy routes are raw ASGI callables (``_ProxyRoute``): no
-Starlette Request/Response on the hot path.
+policy), ``GET /health`` (liveness), ``GET /ready`` (200 iff a replica is healthy, with
+what is degraded: ``router.readiness``), ``GET /metrics``.  The proxy routes are raw ASGI
+callables (``_ProxyRoute``): no Starlette Request/Response on the hot path.
 
 Extending (policies, services): see ``router.plugins``.
 """
@@ -55,6 +55,7 @@ from router.plugins import (
 )
 from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
+from router.readiness import TaskCollector, readiness
 from router.replica_registry import ReplicaRegistry
 
 __all__ = ["State", "create_app"]
@@ -115,12 +116,15 @@ def create_app(
                 aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
             )
             tasks = await stack.enter_async_context(TaskOwner())
+            task_metrics = TaskCollector(tasks)
+            prom.register(task_metrics)  # type: ignore[arg-type]
+            stack.callback(prom.unregister, task_metrics)  # type: ignore[arg-type]
             prober = HealthProber(
                 replicas, probe_session, settings.health,
                 probe_timeout_s=settings.timeouts.health_probe_s, metrics=metrics, clock=clock,
             )
             await prober.probe_once()
-            tasks.spawn(prober.run(), name="health-prober")
+            tasks.supervise(prober.run, name="health-prober")
             ctx = PolicyContext(
                 settings=settings, replicas=replicas, load=load, metrics=metrics,
                 http=session, tasks=tasks, clock=clock, rng=the_rng,
@@ -142,11 +146,9 @@ def create_app(
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        replicas: ReplicaRegistry = request.state.replicas
-        healthy = replicas.healthy_ids()
-        status = 200 if healthy else 503
-        return JSONResponse({"ready": bool(healthy), "healthy_replicas": list(healthy)},
-                            status_code=status)
+        ctx: PolicyContext = request.state.context
+        status, body = readiness(settings, ctx.replicas, ctx.tasks, ctx.services)
+        return JSONResponse(body, status_code=status)
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(generate_latest(prom), media_type=CONTENT_TYPE_LATEST)

@@ -127,6 +127,15 @@ class HealthSettings(_Section):
     """Count connect errors of proxied requests as failed probes (faster mark-down)."""
 
 
+class ReadinessSettings(_Section):
+    """What ``GET /ready`` requires besides a healthy replica (``router.readiness``)."""
+
+    require_kv_events: bool = False
+    """Answer 503 while KV event ingestion is down (a source's subscriber or the
+    ingestion task failed recently).  Off by default: the router still routes, by
+    affinity, and every router of a fleet would go out of service at once."""
+
+
 class FailoverSettings(_Section):
     """Retrying on another replica before the first byte reaches the client."""
 
@@ -341,6 +350,8 @@ class RouterSettings(BaseSettings):
     """Network timeouts."""
     health: HealthSettings = Field(default_factory=HealthSettings)
     """Health checking."""
+    readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
+    """What ``/ready`` requires."""
     failover: FailoverSettings = Field(default_factory=FailoverSettings)
     """Failover before the first byte."""
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)

@@ -4,8 +4,9 @@
   write and counts ``IndexUnavailable`` (then re-raises it: the caller falls back).
 * ``IndexMetrics.observer()`` is the ``index.subscriber.IngestObserver`` handed to
   ``KVEventIngestion``: events applied by type, blocks, gaps, drops, resyncs.
-* ``IndexMetrics.watch_sources(statuses)`` exports each source's ``SourceStatus`` at
-  scrape time (receive lag, last sequence, connected), and ``set_blocks`` the per-replica
+* ``IndexMetrics.watch_sources(statuses, health)`` exports each source's
+  ``SourceStatus`` at scrape time (receive lag, last sequence, connected) and the
+  ingestion supervisor's health (up, restarts), and ``set_blocks`` the per-replica
   block counts (``refresh_block_gauges`` reads them from any backend;
   ``keep_block_gauges`` does so periodically until cancelled, skipping a down backend).
 * ``FanOutObserver(*observers)`` hands every ingestion callback to each observer in turn
@@ -26,6 +27,12 @@ Series (labels are replica ids from the configuration, or small enums):
 ``router_kv_events_receive_lag_seconds{replica}``  gauge  engine stamp -> received
 ``router_kv_events_last_seq{replica}``         gauge      last applied sequence number
 ``router_kv_events_connected{replica}``        gauge      1 while the stream is connected
+``router_kv_block_size_mismatch_total{model}``  counter  batches stored with another block
+                                                          size than configured
+``router_kv_events_ingestion_up``              gauge      0 while a source's subscriber
+                                                          failed recently (restarting)
+``router_kv_events_source_restarts_total{source}``  counter  subscriber failures, each
+                                                          followed by a restart
 =============================================  =========  ================================
 """
 
@@ -37,8 +44,9 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, 
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from aio.supervisor import SupervisorHealth
 from index.event_applier import BatchResult
 from index.status import SourceStatus
 from index.store import IndexOp, IndexUnavailable, KVIndex
@@ -110,8 +118,13 @@ class FanOutObserver:
 
 
 class _SourceCollector:
-    def __init__(self, statuses: Callable[[], Mapping[ReplicaId, SourceStatus]]) -> None:
+    def __init__(
+        self,
+        statuses: Callable[[], Mapping[ReplicaId, SourceStatus]],
+        health: Callable[[], SupervisorHealth] | None,
+    ) -> None:
         self._statuses = statuses
+        self._health = health
 
     def collect(self) -> Iterator[Metric]:
         lag = GaugeMetricFamily(
@@ -136,6 +149,21 @@ class _SourceCollector:
         yield lag
         yield seq
         yield conn
+        if self._health is not None:
+            health = self._health()
+            yield GaugeMetricFamily(
+                "router_kv_events_ingestion_up",
+                "0 while a KV event source's subscriber failed recently (it is restarted).",
+                value=1.0 if health.ok else 0.0,
+            )
+            restarts = CounterMetricFamily(
+                "router_kv_events_source_restarts",
+                "KV event subscribers that failed and were restarted with backoff.",
+                labels=["source"],
+            )
+            for name, count in sorted(health.restarts.items()):
+                restarts.add_metric([name], count)
+            yield restarts
 
 
 class IndexMetrics:
@@ -182,15 +210,26 @@ class IndexMetrics:
             "Times a replica's index entries were cleared and rebuilt, by cause.",
             ["replica", "reason"], registry=registry,
         )  # fmt: skip
+        self.block_size_mismatch = Counter(
+            "router_kv_block_size_mismatch_total",
+            "KV event batches whose blocks have another size than the model's configured "
+            "block_size (predictions for the model are off; router.block_size_check).",
+            ["model"], registry=registry,
+        )  # fmt: skip
         self._collectors: list[_SourceCollector] = []
 
     def observer(self) -> _Observer:
         """The ingestion observer feeding the ``router_kv_events_*`` counters."""
         return _Observer(self)
 
-    def watch_sources(self, statuses: Callable[[], Mapping[ReplicaId, SourceStatus]]) -> None:
-        """Export the sources' status gauges, read at scrape time."""
-        collector = _SourceCollector(statuses)
+    def watch_sources(
+        self,
+        statuses: Callable[[], Mapping[ReplicaId, SourceStatus]],
+        health: Callable[[], SupervisorHealth] | None = None,
+    ) -> None:
+        """Export the sources' status gauges (and the ingestion's health), read at
+        scrape time."""
+        collector = _SourceCollector(statuses, health)
         self._registry.register(collector)  # type: ignore[arg-type]
         self._collectors.append(collector)
 
@@ -203,7 +242,7 @@ class IndexMetrics:
         for series in (
             self.lookup_seconds, self.write_seconds, self.unavailable, self.blocks,
             self.events_applied, self.event_blocks, self.gaps, self.events_dropped,
-            self.resyncs, *self._collectors,
+            self.resyncs, self.block_size_mismatch, *self._collectors,
         ):  # fmt: skip
             self._registry.unregister(series)  # type: ignore[arg-type]
         self._collectors.clear()
@@ -298,6 +337,11 @@ class InstrumentedIndex:
     async def replicas(self) -> set[ReplicaId]:
         """Counted ``replicas``."""
         out: set[ReplicaId] = await self._counted("read", self.inner.replicas())
+        return out
+
+    async def stale(self, replica: ReplicaId) -> bool:
+        """Counted ``stale``."""
+        out: bool = await self._counted("read", self.inner.stale(replica))
         return out
 
     async def aclose(self) -> None:

@@ -42,6 +42,7 @@ from prompt.errors import RenderError
 from prompt.keyer import Prompt
 from prompt.registry import ModelSpec, RendererRegistry
 from prompt.remote_render import RemoteRenderer
+from router.block_size_check import BlockSizeCheck
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
@@ -72,7 +73,8 @@ class RegistryPrompts:
 
     With ``block_size_hint`` (auto models), a model the registry does not know is added
     on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed
-    with the block size the replicas report."""
+    with the block size the replicas report.  A model ``disabled`` says is off (its
+    replicas use another block size) has no prompt."""
 
     def __init__(
         self,
@@ -80,10 +82,12 @@ class RegistryPrompts:
         *,
         remote: bool = True,
         block_size_hint: Callable[[], int | None] | None = None,
+        disabled: Callable[[str], bool] | None = None,
     ) -> None:
         self.registry = registry
         self._remote = remote
         self._hint = block_size_hint
+        self._disabled = disabled
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
@@ -94,6 +98,8 @@ class RegistryPrompts:
         if model not in self.registry:
             if not self._learn(model):
                 return None
+        if self._disabled is not None and isinstance(model, str) and self._disabled(model):
+            return None  # its replicas use another block size (router.block_size_check)
         url = replica_url if self._remote else None
         try:
             if request.endpoint == "chat":
@@ -130,6 +136,20 @@ class KvServices:
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """The event-source snapshot of ``replica``, if it has a source."""
         return self.ingestion.status(replica) if self.ingestion is not None else None
+
+    def readiness(self) -> dict[str, Any]:
+        """The ``kv_events`` detail of ``/ready`` (``router.readiness``)."""
+        if self.ingestion is None:
+            return {"ok": True, "failing": {}, "restarts": {}, "sources": {}, "connected": 0}
+        health = self.ingestion.health()
+        statuses = self.ingestion.statuses()
+        return {
+            "ok": health.ok,
+            "failing": health.failing,
+            "restarts": health.restarts,
+            "sources": {rid: st.state for rid, st in sorted(statuses.items())},
+            "connected": sum(1 for st in statuses.values() if st.connected),
+        }
 
 
 class _HorizonObserver:
@@ -212,16 +232,26 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 return status.block_size
         return None
 
+    def model_of(replica: ReplicaId) -> str | None:
+        source = ingestion.sources.get(replica) if ingestion is not None else None
+        return source.model if source is not None else None
+
+    def base_of(model: str) -> str | None:
+        return registry.resolve(model).spec.name if model in registry else None
+
+    sizes = BlockSizeCheck({m.name: m.block_size for m in s.models}, model_of=model_of,
+                           base_of=base_of, mismatches=index_metrics.block_size_mismatch)
     prompts = RegistryPrompts(registry, remote=s.remote_render,
-                              block_size_hint=block_size_hint if s.auto_models else None)
+                              block_size_hint=block_size_hint if s.auto_models else None,
+                              disabled=sizes.disabled)
     tasks: list[asyncio.Task[Any]] = []
     ctx.metrics.registry.register(remote_counters)
     try:
         await check_index(index)
         replicas = ctx.replicas
-        tasks.append(ctx.tasks.spawn(
-            keep_block_gauges(index, index_metrics,
-                              lambda: [ReplicaId(st.id) for st in replicas.all()]),
+        tasks.append(ctx.tasks.supervise(
+            lambda: keep_block_gauges(index, index_metrics,
+                                      lambda: [ReplicaId(st.id) for st in replicas.all()]),
             name="kv-index-gauges",
         ))  # fmt: skip
         specs = _sources(ctx)
@@ -233,11 +263,12 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 lease = LeaseSettings(client=index.inner.client,
                                       key_prefix=getattr(ctx.settings.index, "key_prefix",
                                                          "kvroute:"))
-            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer())
+            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer(),
+                                      sizes)
             ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
                                          observer=observer)
-            index_metrics.watch_sources(ingestion.statuses)
-            tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
+            index_metrics.watch_sources(ingestion.statuses, ingestion.health)
+            tasks.append(ctx.tasks.supervise(ingestion.run, name="kv-events"))
             if ctx.settings.policy == "kv":
                 await _await_live(ingestion, specs, s.startup_sync_s)
         if s.scrape.enabled:
@@ -247,7 +278,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 stale_after_s=s.scrape.stale_after_s,
             )
             scraper.add_listener(_pool_listener(horizon, lambda: ingestion))
-            tasks.append(ctx.tasks.spawn(scraper.run(), name="kv-scrape"))
+            tasks.append(ctx.tasks.supervise(scraper.run, name="kv-scrape"))
         yield KvServices(prompts, index, horizon, scraper, ingestion)
     finally:
         # Stop the tasks that use the index before closing it (the app's TaskOwner

@@ -158,7 +158,7 @@ async def test_other_groups_malformed_and_multimodal(index: KVIndex) -> None:
         BlockRemoved(h, "GPU", group_idx=1),
     ])  # fmt: skip
     result = await ing.apply(decode_batch(encode_batch(batch)))
-    assert result.dropped == {"other_group": 3, "malformed": 1}
+    assert result.dropped == {"other_group": 3, "invalid_token_ids": 1}
     assert await index.replicas() == set()
     # Block 1 carries a multimodal key: only block 0 can be keyed from tokens.
     await feed(ing, [BlockStored(h, None, PROMPT[:12], BS, None, "GPU", None,

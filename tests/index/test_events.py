@@ -12,6 +12,7 @@ from index.events import (
     BlockRemoved,
     BlockStored,
     ClearedEvent,
+    InvalidEvent,
     KVEventBatch,
     RemovedEvent,
     StoredEvent,
@@ -84,17 +85,56 @@ def test_medium_none_means_gpu_and_missing_rank_is_none() -> None:
         enc([True, []]),
         enc([1.0, "events"]),
         enc([1.0, [], "rank"]),
-        enc([1.0, [42]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": "nope"}]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": [1.5]}]]),
-        enc([1.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": ["a"]}]]),
-        enc([1.0, [{"type": "BlockRemoved"}]]),
-        enc([1.0, [["BlockRemoved", [1], 7]]]),
     ],
 )
 def test_poison_pills_raise_undecodable(payload: bytes) -> None:
     with pytest.raises(UndecodableBatch):
         decode_batch(payload)
+
+
+GOOD = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+        "token_ids": [1, 2], "block_size": 2}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("event", "kind", "field", "hashes"),
+    [
+        (42, "event", "event", None),
+        ({"type": "BlockStored", "block_hashes": "nope"}, "BlockStored", "block_hashes", None),
+        ({"type": "BlockStored", "block_hashes": [1.5]}, "BlockStored", "block_hashes", None),
+        ({**GOOD, "block_hashes": [b""]}, "BlockStored", "block_hashes", None),
+        ({**GOOD, "token_ids": ["a", 1]}, "BlockStored", "token_ids", [1]),
+        ({**GOOD, "token_ids": [1, -1]}, "BlockStored", "token_ids", [1]),
+        ({**GOOD, "token_ids": [2**32, 1]}, "BlockStored", "token_ids", [1]),
+        ({**GOOD, "token_ids": [1, 2, 3]}, "BlockStored", "token_ids", [1]),
+        ({**GOOD, "block_size": 0, "token_ids": [1]}, "BlockStored", "block_size", [1]),
+        ({**GOOD, "block_size": 2**21}, "BlockStored", "block_size", [1]),
+        ({**GOOD, "parent_block_hash": "p"}, "BlockStored", "parent_block_hash", [1]),
+        ({**GOOD, "parent_block_hash": 1}, "BlockStored", "parent_block_hash", [1]),
+        ({**GOOD, "medium": 3}, "BlockStored", "medium", [1]),
+        ({"type": "BlockRemoved"}, "BlockRemoved", "block_hashes", None),
+        (["BlockRemoved", [1], 7], "BlockRemoved", "medium", [1]),
+        (["BlockRemoved", ["x"], "GPU"], "BlockRemoved", "block_hashes", None),
+    ],
+)
+def test_an_invalid_event_is_named_in_place_and_its_neighbours_decode(
+    event: object, kind: str, field: str, hashes: list[int] | None
+) -> None:
+    batch = decode_batch(enc([1.0, [GOOD, event, {"type": "AllBlocksCleared"}], 0]))
+    first, bad, last = batch.events
+    assert first == StoredEvent([EngineKey(1)], None, [1, 2], 2, Medium.GPU)
+    assert last == ClearedEvent()
+    assert isinstance(bad, InvalidEvent)
+    assert (bad.kind, bad.field, bad.block_hashes) == (kind, field, hashes)
+    assert bad.detail
+
+
+def test_sizes_are_checked_only_for_the_indexed_group() -> None:
+    # A sliding-window group's block size may be a multiple of the hash block size.
+    other = {**GOOD, "token_ids": [1, 2, 3, 4], "group_idx": 1}
+    sliding = {**GOOD, "token_ids": [1, 2, 3, 4], "kv_cache_spec_kind": "sliding_window"}
+    batch = decode_batch(enc([1.0, [other, sliding], 0]))
+    assert all(isinstance(ev, StoredEvent) for ev in batch.events)
 
 
 # The fast (typed) decoder and the tolerant one must agree wherever the fast one accepts.

@@ -20,7 +20,7 @@ from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
 from index.lease import RedisLease, run_with_lease
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
-from index.store import IndexUnavailable
+from index.store import IndexReset, IndexUnavailable
 from index.subscriber import ConnectSubscriber, EventSource, SubscriberSettings
 from kvkeys.keys import block_keys
 from kvkeys.types import EngineKey, Medium, ReplicaHit, ReplicaId, RequestKey
@@ -124,9 +124,10 @@ async def test_lookup_is_one_round_trip(rindex: RedisIndex, sync_redis: redis.Re
     after = calls()
     assert hits.by_replica == {A: ReplicaHit(50)}
     changed = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
-    # The MGET inside the script counts too; the client sent exactly one EVALSHA.
+    # The MGET and HGET (the epoch) inside the script count too; the client sent exactly
+    # one EVALSHA.
     assert changed.pop("cmdstat_evalsha") == 1
-    assert set(changed) <= {"cmdstat_mget"}
+    assert set(changed) <= {"cmdstat_mget", "cmdstat_hget"}
 
 
 async def test_stride_is_fixed_per_namespace(redis_url: str, redis_namespace: str) -> None:
@@ -200,6 +201,10 @@ async def test_killed_redis_fails_fast_and_reconnects(redis_server_factory: Any)
         assert time.monotonic() - t0 < 3.0  # refused at once, no retry loop
         redis_server_factory(server.port)  # back, empty (no persistence)
         assert await recovered(idx, keys) == 0
+        # A lost its entries: a write that is not a rebuild is refused until A is cleared.
+        with pytest.raises(IndexReset):
+            await idx.add(A, ek(keys), keys)
+        await idx.clear(A)
         await idx.add(A, ek(keys), keys)
         assert (await idx.lookup(keys)).blocks(A) == 3
     finally:
@@ -383,9 +388,10 @@ async def test_start_up_refuses_a_namespace_it_cannot_share(
             await check_index(idx)
         await check_index(unreachable)  # degraded, not refused: the first write checks
         await check_index(fresh)
-        assert sync_redis.hgetall(f"{redis_namespace}-fresh:meta") == {
-            b"stride": b"256", b"layout": b"2"
-        }
+        meta = sync_redis.hgetall(f"{redis_namespace}-fresh:meta")
+        assert len(meta.pop(b"epoch")) == 32
+        assert meta == {b"stride": b"256", b"layout": b"2"}
+        assert b"epoch" not in sync_redis.hgetall(f"{redis_namespace}:meta")  # not ours
     finally:
         for i in (idx, unreachable, fresh):
             await i.aclose()

@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from index.events import ClearedEvent, StoredEvent, decode_batch
+from index.events import ClearedEvent, InvalidEvent, StoredEvent, decode_batch
 from kvkeys.keys import block_keys
 from replica.sim.engine import EngineConfig
 from replica.sim.scheduler import SimRequest, StepPlan
@@ -401,6 +401,7 @@ async def test_cpu_offload_events_and_host_hits(
                 except TimeoutError:
                     break
                 for ev in decode_batch(payload).events:
+                    assert not isinstance(ev, InvalidEvent), ev
                     if not isinstance(ev, ClearedEvent):
                         media.add((type(ev).__name__, str(ev.medium)))
             assert ("StoredEvent", "CPU") in media and ("RemovedEvent", "GPU") in media
