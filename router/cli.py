@@ -117,15 +117,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
-    """The uvicorn configuration of ``kvroute serve`` (uvloop, httptools)."""
+    """The uvicorn configuration of ``kvroute serve`` (uvloop, guarded httptools)."""
     import uvicorn
+
+    from router.conn_guard import guarded_protocol
 
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        # httptools, with timeouts and bounds on slow, idle and oversized clients.
+        http=guarded_protocol(settings.connections),
+        timeout_keep_alive=int(settings.connections.idle_timeout_s + 0.999),
         lifespan="on",
         log_level=settings.log_level,
         access_log=settings.access_log,

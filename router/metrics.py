@@ -215,6 +215,12 @@ class RouterMetrics:
             "router_health_transitions_total", "Health state changes, by replica and new state.",
             ["replica", "state"], registry=registry,
         )
+        self.connections_refused = Counter(
+            "router_connections_refused_total",
+            "Client connections closed by the router's guards, by reason (max_connections, "
+            "header_timeout, body_timeout, headers_too_large).",
+            ["reason"], registry=registry,
+        )
         self._state: _StateCollector | None = None
         self.kv = KvMetrics(registry)
         """The KV-aware routing series (``router.kv_policy`` and its helpers)."""
@@ -229,7 +235,8 @@ class RouterMetrics:
         for collector in (
             self.requests, self.upstream_requests, self.decisions, self.ttfb,
             self.request_duration, self.failovers, self.client_disconnects,
-            self.health_probes, self.health_transitions, self._state,
+            self.health_probes, self.health_transitions, self.connections_refused,
+            self._state,
         ):
             if collector is not None:
                 self.registry.unregister(collector)
