@@ -419,6 +419,13 @@ class AuthSettings(_Section):
         """Keys are configured: requests must authenticate."""
         return bool(self.keys)
 
+    @property
+    def forwards_client_key(self) -> bool:
+        """``forward_authorization`` resolved: by default, only when no keys are set."""
+        if self.forward_authorization is None:
+            return not self.keys
+        return self.forward_authorization
+
 
 class RouterSettings(BaseSettings):
     """Everything ``kvroute serve`` needs, validated once."""
