@@ -67,7 +67,7 @@ from router.plugins import PolicyRegistry
 from router.policy import Decision, Endpoint, Receipt, RouteRequest
 from router.replicas import ReplicaRegistry
 from router.request import ClientDisconnected, Incoming, parse_body, read_body, scan_headers
-from router.tenancy import Access, Tenant
+from router.tenancy import Access, Tenant, tenant_session
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 
 __all__ = ["Proxy"]
@@ -242,8 +242,11 @@ class Proxy:
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):
                 model = None
+            session = inc.session or _user(parsed)
+            if tenant is not None and session is not None:
+                session = tenant_session(tenant, session)
             route = RouteRequest(request_id, endpoint, scope["path"], model, parsed,
-                                 inc.session or _user(parsed), inc.policy)
+                                 session, inc.policy)
             policy = self._policies.get(inc.policy) if inc.policy else self._policies.default
             candidates, known = self._replicas.candidates(model)
             if not candidates:

@@ -17,6 +17,8 @@ What a tenant gets:
   Tenants share cache blocks only when configured with the same salt.  The parsed body
   the policy sees carries the forwarded salt, so the ``kv`` policy predicts with the
   salt the replica hashes (predictions stay exact).
+- **Its own sessions**: session keys (header or ``user``) are qualified by the tenant's
+  name, so tenants never share session state.
 - **Routing headers only if trusted** (``routing_headers``, default ``trusted``): the
   ``x-kvroute-*`` response headers say whether a prompt was cached (an oracle on what
   others sent).
@@ -43,7 +45,8 @@ from router.errors import Forbidden, NotFound, Unauthorized
 from router.metrics import TenantMetrics
 from router.tenant_limits import TenantGate
 
-__all__ = ["Access", "Tenant", "bearer_token", "check_endpoint", "namespaced_salt"]
+__all__ = ["Access", "Tenant", "bearer_token", "check_endpoint", "namespaced_salt",
+           "tenant_session"]
 
 _SUB_SALT_HEX = 32
 
@@ -78,6 +81,12 @@ def namespaced_salt(tenant_salt: str, client_salt: str | None) -> str:
         return tenant_salt
     digest = hashlib.sha256(f"{tenant_salt}\x00{client_salt}".encode()).hexdigest()
     return f"{tenant_salt}.{digest[:_SUB_SALT_HEX]}"
+
+
+def tenant_session(tenant: Tenant, session: str) -> str:
+    """A session key qualified by its tenant: two tenants' session ``"1"`` are two
+    sessions (stickiness, prefix-break history)."""
+    return f"{tenant.name}:{session}"
 
 
 class Access:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -13,8 +14,10 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
+from index.types import ReplicaId
 from router.app import create_app
 from router.config import ConfigError, RouterSettings
+from router.policy import Decision, Receipt, RouteRequest
 from router.tenancy import bearer_token, namespaced_salt
 from router.tenant_limits import TokenBucket
 from tests.router.conftest import StartFakes, StartRouter
@@ -320,3 +323,31 @@ def test_app_builds_without_auth() -> None:
     settings = RouterSettings.load(env={}, cli={"replicas": [{"url": "http://127.0.0.1:1"}]})
     assert not settings.auth.enabled and settings.auth.forwards_client_key
     create_app(settings, registry=CollectorRegistry())
+
+
+class _Recording:
+    """A policy that records the session key each request is routed with."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.sessions: list[str | None] = []
+
+    async def route(self, request: RouteRequest, candidates: Sequence[ReplicaId]) -> Decision:
+        self.sessions.append(request.session_key)
+        return Decision(replicas=tuple(candidates), policy=self.name, reason="recorded")
+
+    def record(self, request: RouteRequest, decision: Decision, receipt: Receipt) -> None:
+        pass
+
+
+async def test_tenants_never_share_a_session(
+        fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession) -> None:
+    (fake,) = await fakes(1)
+    policy = _Recording()
+    url = await start_router([fake], auth=auth(), policy="recording",
+                             policy_factories={"recording": lambda ctx: policy})
+    for tenant in ("acme", "beta"):
+        await post(client, url, {**bearer(tenant), "X-Session-ID": "42"})
+        await post(client, url, bearer(tenant), user="42")
+    assert policy.sessions == ["acme:42", "acme:42", "beta:42", "beta:42"]
