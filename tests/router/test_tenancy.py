@@ -14,7 +14,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.app import create_app
 from router.config import ConfigError, RouterSettings
 from router.policy import Decision, Receipt, RouteRequest
@@ -183,7 +183,7 @@ async def test_each_tenant_gets_its_own_cache_salt(
 
 
 def test_namespaced_salts_are_valid_for_vllm() -> None:
-    from index.prompt import validate_cache_salt
+    from prompt.keyer import validate_cache_salt
 
     salt = namespaced_salt("t" * 95, "c" * 128)
     assert validate_cache_salt(salt) == salt
