@@ -128,8 +128,7 @@ def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
         port=settings.port,
         loop="uvloop",
         # httptools, with timeouts and bounds on slow, idle and oversized clients.
-        http=guarded_protocol(settings.connections),
-        timeout_keep_alive=int(settings.connections.idle_timeout_s + 0.999),
+        http=guarded_protocol(settings.connections),  # also the keep-alive (idle) timeout
         lifespan="on",
         log_level=settings.log_level,
         access_log=settings.access_log,

@@ -20,6 +20,12 @@ returns a subclass of it, given to ``uvicorn.Config(http=...)``, that adds
 - **connection cap**: a connection accepted while ``max_connections`` are open is
   closed at once.
 
+Deadlines cost no timer per request: each connection keeps one deadline (a float), and
+one ``_Sweeper`` per server, a self-rescheduling ``call_later`` that runs only while
+connections are open, fires the expired ones every quarter of the shortest timeout
+(0.05 to 1 s), so a deadline fires up to that late.  This also replaces uvicorn's own
+keep-alive timer, armed after every response.
+
 Answers are OpenAI-shaped JSON with ``connection: close``.  A response in progress on
 the connection (a pipelined request behind it) is never overwritten: then the
 connection is only closed.  Each refusal is counted in
@@ -27,8 +33,9 @@ connection is only closed.  Each refusal is counted in
 metrics.
 
 The subclass relies on uvicorn's ``HttpToolsProtocol`` internals (``parser``, ``cycle``,
-``timeout_keep_alive_task``, the parser callbacks); ``tests/router/test_conn_guard.py``
-holds it to them over real sockets.
+``pipeline``, ``flow``, the parser callbacks; ``on_response_complete`` is uvicorn 0.54's
+with the keep-alive timer replaced); ``tests/router/test_conn_guard.py`` holds it to them
+over real sockets.
 """
 
 from __future__ import annotations
@@ -60,11 +67,42 @@ class _HeadersTooLarge(Exception):
     """Raised from a parser callback to stop parsing an oversized header block."""
 
 
+class _Sweeper:
+    """Fires the expired deadlines of one server's connections, ``period`` apart; runs
+    only while a connection is open (so nothing is left behind when the server stops)."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._conns: set[GuardedHttpToolsProtocol] = set()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, conn: GuardedHttpToolsProtocol) -> None:
+        self._conns.add(conn)
+        if self._handle is None:
+            self._handle = conn.loop.call_later(self.period, self._sweep, conn.loop)
+
+    def discard(self, conn: GuardedHttpToolsProtocol) -> None:
+        self._conns.discard(conn)
+        if not self._conns and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        expired = [c for c in self._conns if c.deadline_at is not None and c.deadline_at <= now]
+        for conn in expired:
+            conn.expire()
+        self._handle = loop.call_later(self.period, self._sweep, loop) if self._conns else None
+
+
 def guarded_protocol(limits: ConnectionSettings) -> type[GuardedHttpToolsProtocol]:
-    """A ``GuardedHttpToolsProtocol`` class bound to ``limits`` (uvicorn builds one
-    instance per connection from the class it is given)."""
+    """A ``GuardedHttpToolsProtocol`` class bound to ``limits`` and a sweeper of its own
+    (uvicorn builds one instance per connection from the class it is given; use one
+    class per server)."""
+    shortest = min(limits.header_timeout_s, limits.body_timeout_s, limits.idle_timeout_s)
+    sweeper = _Sweeper(min(1.0, max(0.05, shortest / 4)))
     return type("BoundGuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,),
-                {"limits": limits})
+                {"limits": limits, "sweeper": sweeper})
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -72,14 +110,15 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionSettings] = ConnectionSettings()
     """Bound per server by ``guarded_protocol``."""
+    sweeper: ClassVar[_Sweeper] = _Sweeper(1.0)
+    """Bound per server by ``guarded_protocol``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # uvicorn types it int but only hands it to ``call_later``: fractions work.
-        self.timeout_keep_alive = self.limits.idle_timeout_s  # type: ignore[assignment]
         self._phase: _Phase = "idle"
-        self._deadline: asyncio.TimerHandle | None = None
-        self._idle_until: float | None = None
+        self.deadline_at: float | None = None
+        """When the current phase times out (``loop.time()``); ``None``: never (a
+        response is being produced)."""
         self._header_bytes = 0
         """Exact bytes of the request line and completed header fields so far."""
         self._pending = 0
@@ -92,16 +131,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._count("max_connections")
             transport.close()
             return
-        self._start_idle()
+        self.deadline_at = self.loop.time() + self.limits.idle_timeout_s
+        self.sweeper.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_deadline()
+        self.deadline_at = None
+        self.sweeper.discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._phase == "closing":
             return
-        self._unset_keepalive_if_required()
         if self._phase == "headers":
             self._pending += len(data)
             if self._pending > self.limits.max_header_bytes:
@@ -129,23 +169,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._pending = len(data)
             if self._pending > self.limits.max_header_bytes:
                 self._refuse_headers()
-                return
-        if self._phase == "idle" and self._between_requests():
-            self._resume_idle()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.timeout_keep_alive_task is not None:  # idle now (no pipelined request)
-            self._idle_until = self.loop.time() + self.limits.idle_timeout_s
+        # uvicorn's, with its keep-alive timer replaced by the idle deadline.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._phase == "idle":
+            self.deadline_at = self.loop.time() + self.limits.idle_timeout_s
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._phase = "headers"
-        self._idle_until = None
         self._header_bytes = 0
         self._pending = 0
-        self._arm(self.limits.header_timeout_s, self._headers_late)
+        self.deadline_at = self.loop.time() + self.limits.header_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
@@ -162,63 +205,45 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._phase = "body"
-        self._arm(self.limits.body_timeout_s, self._body_late)
+        self.deadline_at = self.loop.time() + self.limits.body_timeout_s
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._phase = "idle"
-        self._cancel_deadline()
+        # Idle from now if the answer is already out (an early error), else once it is.
+        self.deadline_at = (self.loop.time() + self.limits.idle_timeout_s
+                            if self._between_requests() else None)
         super().on_message_complete()
 
     # ------------------------------------------------------------------ deadlines
-    def _arm(self, delay: float, callback: Any) -> None:
-        self._cancel_deadline()
-        self._deadline = self.loop.call_later(delay, callback)
-
-    def _cancel_deadline(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def _start_idle(self) -> None:
-        self._idle_until = self.loop.time() + self.limits.idle_timeout_s
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.limits.idle_timeout_s, self.timeout_keep_alive_handler)
-
-    def _resume_idle(self) -> None:
-        """Re-arm the idle timer that data (bare CRLFs) cancelled, for what is left of it."""
-        if self.timeout_keep_alive_task is not None or self.transport.is_closing():
-            return
-        if self._idle_until is None:
-            self._idle_until = self.loop.time() + self.limits.idle_timeout_s
-        left = max(0.0, self._idle_until - self.loop.time())
-        self.timeout_keep_alive_task = self.loop.call_later(left,
-                                                            self.timeout_keep_alive_handler)
-
     def _between_requests(self) -> bool:
         cycle = self.cycle
         return cycle is None or cycle.response_complete
 
-    def _headers_late(self) -> None:
-        self._deadline = None
-        if self._phase != "headers" or self.transport.is_closing():
+    def expire(self) -> None:
+        """The current phase's deadline has passed (called by the sweeper)."""
+        self.deadline_at = None
+        phase = self._phase
+        if self.transport.is_closing():
             return
-        if not self._between_requests():
-            # Pipelined behind a running response: uvicorn paused reading, so the
-            # headers wait on us, not on the client.
-            self._arm(self.limits.header_timeout_s, self._headers_late)
-            return
-        self._count("header_timeout")
-        self._answer_and_close(408, "request headers were not received in time",
-                               "request_timeout")
-
-    def _body_late(self) -> None:
-        self._deadline = None
-        if self._phase != "body" or self.transport.is_closing():
-            return
-        self._count("body_timeout")
-        self._answer_and_close(408, "request body was not received in time",
-                               "request_timeout")
+        if phase == "closing" or (phase == "idle" and self._between_requests()):
+            self.transport.close()
+        elif phase == "headers" and not self._between_requests():
+            # Behind a response still being sent: an answer cannot go out now, and a
+            # close would cut that response.
+            self.deadline_at = self.loop.time() + self.limits.header_timeout_s
+        elif phase == "body" and self.pipeline:
+            # Queued behind a running response: uvicorn paused reading, so the body
+            # waits on us, not on the client.
+            self.deadline_at = self.loop.time() + self.limits.body_timeout_s
+        elif phase == "headers":
+            self._count("header_timeout")
+            self._answer_and_close(408, "request headers were not received in time",
+                                   "request_timeout")
+        elif phase == "body":
+            self._count("body_timeout")
+            self._answer_and_close(408, "request body was not received in time",
+                                   "request_timeout")
 
     # ------------------------------------------------------------------ refusals
     def _refuse_headers(self) -> None:
@@ -236,9 +261,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_and_close(self, status: int, message: str, code: str) -> None:
         """Write an OpenAI-shaped error unless a response is already under way, then
-        close; the app (if one runs for this request) sees a disconnect."""
-        self._cancel_deadline()
+        close (after a lingering read); the app, if one runs for this request, sees a
+        disconnect."""
         self._phase = "idle"
+        self.deadline_at = None
         cycle = self.cycle if self.cycle is not None and not self.cycle.response_complete \
             else None
         started = cycle is not None and cycle.response_started
@@ -259,7 +285,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.transport.write_eof()
         self._phase = "closing"
-        self._deadline = self.loop.call_later(_LINGER_S, self.transport.close)
+        self.deadline_at = self.loop.time() + _LINGER_S
 
     def _count(self, reason: RefusalReason) -> None:
         metrics = self.app_state.get("metrics")

@@ -174,6 +174,34 @@ async def test_keep_alive_and_normal_requests_still_work(
     assert fake.seen[0].headers["X-H59"] == "v" * 50
 
 
+async def test_idle_after_a_response_and_pipelined_requests(
+        fakes: StartFakes, stack: AsyncExitStack) -> None:
+    """The idle deadline also follows a response (it replaces uvicorn's keep-alive
+    timer), and two pipelined requests are both answered before the close."""
+    (fake,) = await fakes(1)
+    url = await _router(stack, fake)
+    conn = await _connect(url)
+    conn[1].write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+    answer = (await _all_closed([conn]))[0]
+    assert answer.count(b"HTTP/1.1 200 ") == 2
+    assert answer.count(b'"object":"list"') == 2
+
+
+async def test_long_streams_outlive_every_deadline(
+        fakes: StartFakes, stack: AsyncExitStack) -> None:
+    """A response that takes longer than all the timeouts is not cut."""
+    (fake,) = await fakes(1)
+    fake.behaviour.chunks = 4
+    fake.behaviour.chunk_delay_s = 0.5  # 2.5 s in all, five times every deadline
+    url = await _router(stack, fake)
+    async with aiohttp.ClientSession() as http, \
+            http.post(url + "/v1/chat/completions", json=chat(stream=True)) as resp:
+        assert resp.status == 200
+        body = await resp.read()
+    assert body.rstrip().endswith(b"data: [DONE]")
+    assert body.count(b"data: ") == 6
+
+
 async def test_connections_past_the_cap_are_closed(
         fakes: StartFakes, stack: AsyncExitStack, client: aiohttp.ClientSession) -> None:
     (fake,) = await fakes(1)
