@@ -52,7 +52,7 @@ async def debug_route(request: Request) -> Response:
         endpoint = _endpoint(request.query_params.get("endpoint"), raw)
         body = parse_body(endpoint, raw)
         if tenant is not None and body is not None:
-            state.access.apply_salt(tenant, body)  # the salt the proxy would forward
+            state.access.apply_salt(tenant, body, raw)  # the salt the proxy would forward
         model = body.get("model") if body is not None else None
         session = request.headers.get(settings.session_header)
         if session is None and body is not None and isinstance(body.get("user"), str):

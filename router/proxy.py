@@ -238,7 +238,7 @@ class Proxy:
             body = await read_body(receive, self._limit, inc.content_length)
             parsed = parse_body(endpoint, body)
             if tenant is not None and parsed is not None and self._access is not None:
-                body = self._access.apply_salt(tenant, parsed)  # the kv policy sees it too
+                body = self._access.apply_salt(tenant, parsed, body)  # the policy sees it
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):
                 model = None

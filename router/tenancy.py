@@ -133,13 +133,19 @@ class Access:
             raise Forbidden(f"tenant {tenant.name!r} may not use this endpoint")
         return tenant
 
-    def apply_salt(self, tenant: Tenant, body: MutableMapping[str, Any]) -> bytes:
+    def apply_salt(self, tenant: Tenant, body: MutableMapping[str, Any], raw: bytes) -> bytes:
         """Set the tenant's ``cache_salt`` in the parsed ``body`` (the client's salt, if
-        any, already validated, becomes a sub-namespace); the body to forward."""
+        any, already validated, becomes a sub-namespace); ``raw`` (the bytes ``body`` was
+        parsed from) with the same change, to forward."""
         client = body.get("cache_salt")
-        body["cache_salt"] = namespaced_salt(tenant.cache_salt,
-                                             client if isinstance(client, str) else None)
-        return orjson.dumps(body)
+        salt = namespaced_salt(tenant.cache_salt, client if isinstance(client, str) else None)
+        had_fields = bool(body)
+        body["cache_salt"] = salt
+        if client is not None or not had_fields:
+            return orjson.dumps(body)
+        # No salt yet: splice it in after the object's opening brace (no re-encoding).
+        start = raw.index(b"{") + 1
+        return raw[:start] + b'"cache_salt":' + orjson.dumps(salt) + b"," + raw[start:]
 
 
 def check_endpoint(mode: AccessMode, access: Access | None,

@@ -16,9 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from kvkeys.types import ReplicaId
 from router.app import create_app
-from router.config import ConfigError, RouterSettings
+from router.config import AuthSettings, ConfigError, RouterSettings
+from router.metrics import TenantMetrics
 from router.policy import Decision, Receipt, RouteRequest
-from router.tenancy import bearer_token, namespaced_salt
+from router.tenancy import Access, bearer_token, namespaced_salt
 from router.tenant_limits import TokenBucket
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, scrape
@@ -189,6 +190,20 @@ def test_namespaced_salts_are_valid_for_vllm() -> None:
     assert validate_cache_salt(salt) == salt
     assert namespaced_salt("t", None) == "t"
     assert namespaced_salt("t", "x") != namespaced_salt("u", "x")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "m", "messages": []}', b'  \n {"model":"m"}', b"{}",
+    b'{"model": "m", "cache_salt": "mine"}', b'{"x": {"cache_salt": "nested"}}',
+])
+def test_apply_salt_forwards_what_the_policy_sees(raw: bytes) -> None:
+    access = Access(AuthSettings.model_validate(auth()), metrics=TenantMetrics(
+        CollectorRegistry()), clock=lambda: 0.0)
+    parsed = orjson.loads(raw)
+    client = parsed.get("cache_salt")
+    forwarded = access.apply_salt(access.tenants["acme"], parsed, raw)
+    assert orjson.loads(forwarded) == parsed
+    assert parsed["cache_salt"] == namespaced_salt("acme", client)
 
 
 # ---------------------------------------------------------------- the oracle
