@@ -59,7 +59,7 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
                    "for each replica (replaces the 'replicas' setting; its id is host:port)")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="YAML file with any settings (replicas, timeouts, health, failover, "
-                   "index, scoring, ...)")
+                   "index, scoring, connections, auth, ...)")
     p.add_argument("--policy", metavar="NAME", default=None,
                    help="routing policy: kv (KV-cache aware, the default), session, "
                    "round_robin, least_loaded or random; a request may pick another with "

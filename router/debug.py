@@ -85,7 +85,8 @@ async def debug_route(request: Request) -> Response:
             dry = False
     except RouterError as exc:
         resp = to_response(exc)
-        return Response(resp.body, status_code=resp.status, media_type="application/json")
+        return Response(resp.body, status_code=resp.status, media_type="application/json",
+                        headers={k.decode(): v.decode() for k, v in resp.headers})
     answer: dict[str, Any] = {
         "policy": decision.policy,
         "reason": decision.reason,

@@ -250,7 +250,7 @@ async def test_debug_route_is_trusted_only_by_default(
     (fake,) = await fakes(1)
     url = await start_router([fake], auth=auth())
     async with client.post(url + "/debug/route", json=chat()) as resp:
-        assert resp.status == 401
+        assert resp.status == 401 and resp.headers["WWW-Authenticate"] == "Bearer"
     async with client.post(url + "/debug/route", json=chat(), headers=bearer("acme")) as resp:
         assert resp.status == 403
         assert (await resp.json())["error"]["code"] == "forbidden"
