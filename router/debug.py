@@ -34,7 +34,7 @@ from starlette.responses import Response
 from router.errors import BadRequest, NoHealthyReplica, RouterError, UnknownModel, to_response
 from router.policy import Endpoint, RouteRequest
 from router.request import parse_body
-from router.tenancy import check_endpoint, tenant_session
+from router.tenancy import check_endpoint
 
 __all__ = ["debug_route"]
 
@@ -52,13 +52,13 @@ async def debug_route(request: Request) -> Response:
         endpoint = _endpoint(request.query_params.get("endpoint"), raw)
         body = parse_body(endpoint, raw)
         if tenant is not None and body is not None:
-            state.access.apply_salt(tenant, body, raw)  # the salt the proxy would forward
+            tenant.apply_salt(body, raw)  # the salt the proxy would forward
         model = body.get("model") if body is not None else None
         session = request.headers.get(settings.session_header)
         if session is None and body is not None and isinstance(body.get("user"), str):
             session = body["user"]
         if tenant is not None and session is not None:
-            session = tenant_session(tenant, session)
+            session = tenant.session(session)
         override = request.headers.get(settings.policy_header)
         route = RouteRequest(
             request_id=request.headers.get("x-request-id") or os.urandom(16).hex(),

@@ -24,12 +24,8 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    reported (``router.usage``).
 
 Response headers added: ``x-request-id``, ``x-kvroute-replica``, ``x-kvroute-reason``,
-``x-kvroute-predicted-cached-tokens`` (when the decision predicts); the three
-``x-kvroute-*`` only for tenants allowed them (``router.tenancy``).
-
-With API keys configured (``Access``), step 1 first authenticates the request (401) and
-admits it under its tenant's limits (429) before the body is read, sets the tenant's
-``cache_salt`` in the body, and releases the tenant's slot when the request ends.
+``x-kvroute-predicted-cached-tokens`` (when the decision predicts); the ``x-kvroute-*``
+only for tenants allowed them.  With API keys, ``router.tenancy.Access`` runs first.
 
 Cost: the hot path is three coroutines deep (``handle``, ``_attempts``, ``_attempt``) and
 allocates little beyond what uvicorn and aiohttp need; the JSON parse of the body is its
@@ -67,7 +63,7 @@ from router.plugins import PolicyRegistry
 from router.policy import Decision, Endpoint, Receipt, RouteRequest
 from router.replica_registry import ReplicaRegistry
 from router.request import ClientDisconnected, Incoming, parse_body, read_body, scan_headers
-from router.tenancy import Access, Tenant, tenant_session
+from router.tenancy import Access, Tenant
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 
 __all__ = ["Proxy"]
@@ -138,8 +134,7 @@ class _Call:
         self.gone = False
         """The watcher saw the client leave and cancelled the handler."""
         self.watcher: asyncio.Task[None] | None = None
-        self.routing_headers = True
-        """Send the ``x-kvroute-*`` response headers (off for untrusted tenants)."""
+        self.routing_headers = True  # the x-kvroute-* response headers
 
 
 class Proxy:
@@ -221,30 +216,26 @@ class Proxy:
         if access is None:
             return await self._serve(scope, receive, send, endpoint, inc, request_id, None)
         try:
-            tenant = access.authenticate(inc.authorization)
-            access.gate.admit(tenant)
+            tenant = access.admit(inc.authorization)
         except RouterError as exc:
             return await _send_error(send, exc, request_id)
         try:
             return await self._serve(scope, receive, send, endpoint, inc, request_id, tenant)
         finally:
-            access.gate.release(tenant)
+            access.release(tenant)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint,
                      inc: Incoming, request_id: str, tenant: Tenant | None) -> int:
-        """The request past authentication and admission (``tenant`` is ``None`` when no
-        keys are configured)."""
+        """The request past authentication and admission (``tenant``: ``None`` without keys)."""
         try:
             body = await read_body(receive, self._limit, inc.content_length)
             parsed = parse_body(endpoint, body)
-            if tenant is not None and parsed is not None and self._access is not None:
-                body = self._access.apply_salt(tenant, parsed, body)  # the policy sees it
+            session = inc.session or _user(parsed)
+            if tenant is not None:  # its cache_salt (the policy sees it too), its sessions
+                body, session = tenant.scope(parsed, body, session)
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):
                 model = None
-            session = inc.session or _user(parsed)
-            if tenant is not None and session is not None:
-                session = tenant_session(tenant, session)
             route = RouteRequest(request_id, endpoint, scope["path"], model, parsed,
                                  session, inc.policy)
             policy = self._policies.get(inc.policy) if inc.policy else self._policies.default

@@ -45,8 +45,7 @@ from router.errors import Forbidden, NotFound, Unauthorized
 from router.metrics import TenantMetrics
 from router.tenant_limits import TenantGate
 
-__all__ = ["Access", "Tenant", "bearer_token", "check_endpoint", "namespaced_salt",
-           "tenant_session"]
+__all__ = ["Access", "Tenant", "bearer_token", "check_endpoint", "namespaced_salt"]
 
 _SUB_SALT_HEX = 32
 
@@ -62,6 +61,33 @@ class Tenant:
     max_concurrency: int
     requests_per_s: float
     burst: int
+
+    def apply_salt(self, body: MutableMapping[str, Any], raw: bytes) -> bytes:
+        """Set the tenant's ``cache_salt`` in the parsed ``body`` (the client's salt, if
+        any, already validated, becomes a sub-namespace); ``raw`` (the bytes ``body`` was
+        parsed from) with the same change, to forward."""
+        client = body.get("cache_salt")
+        salt = namespaced_salt(self.cache_salt, client if isinstance(client, str) else None)
+        had_fields = bool(body)
+        body["cache_salt"] = salt
+        if client is not None or not had_fields:
+            return orjson.dumps(body)
+        # No salt yet: splice it in after the object's opening brace (no re-encoding).
+        start = raw.index(b"{") + 1
+        return raw[:start] + b'"cache_salt":' + orjson.dumps(salt) + b"," + raw[start:]
+
+    def session(self, session: str) -> str:
+        """A session key qualified by the tenant: two tenants' session ``"1"`` are two
+        sessions (stickiness, prefix-break history)."""
+        return f"{self.name}:{session}"
+
+    def scope(self, body: MutableMapping[str, Any] | None, raw: bytes,
+              session: str | None) -> tuple[bytes, str | None]:
+        """A request's body and session key as this tenant's: ``apply_salt`` (JSON
+        object bodies only) and ``session``."""
+        if body is not None:
+            raw = self.apply_salt(body, raw)
+        return raw, (self.session(session) if session is not None else None)
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -81,12 +107,6 @@ def namespaced_salt(tenant_salt: str, client_salt: str | None) -> str:
         return tenant_salt
     digest = hashlib.sha256(f"{tenant_salt}\x00{client_salt}".encode()).hexdigest()
     return f"{tenant_salt}.{digest[:_SUB_SALT_HEX]}"
-
-
-def tenant_session(tenant: Tenant, session: str) -> str:
-    """A session key qualified by its tenant: two tenants' session ``"1"`` are two
-    sessions (stickiness, prefix-break history)."""
-    return f"{tenant.name}:{session}"
 
 
 class Access:
@@ -133,19 +153,16 @@ class Access:
             raise Forbidden(f"tenant {tenant.name!r} may not use this endpoint")
         return tenant
 
-    def apply_salt(self, tenant: Tenant, body: MutableMapping[str, Any], raw: bytes) -> bytes:
-        """Set the tenant's ``cache_salt`` in the parsed ``body`` (the client's salt, if
-        any, already validated, becomes a sub-namespace); ``raw`` (the bytes ``body`` was
-        parsed from) with the same change, to forward."""
-        client = body.get("cache_salt")
-        salt = namespaced_salt(tenant.cache_salt, client if isinstance(client, str) else None)
-        had_fields = bool(body)
-        body["cache_salt"] = salt
-        if client is not None or not had_fields:
-            return orjson.dumps(body)
-        # No salt yet: splice it in after the object's opening brace (no re-encoding).
-        start = raw.index(b"{") + 1
-        return raw[:start] + b'"cache_salt":' + orjson.dumps(salt) + b"," + raw[start:]
+    def admit(self, authorization: str | None) -> Tenant:
+        """Authenticate, then take a slot under the tenant's limits (``Unauthorized``,
+        ``RateLimited``); give it back with ``release``."""
+        tenant = self.authenticate(authorization)
+        self.gate.admit(tenant)
+        return tenant
+
+    def release(self, tenant: Tenant) -> None:
+        """Give back the slot ``admit`` took."""
+        self.gate.release(tenant)
 
 
 def check_endpoint(mode: AccessMode, access: Access | None,

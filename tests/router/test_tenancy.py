@@ -201,7 +201,7 @@ def test_apply_salt_forwards_what_the_policy_sees(raw: bytes) -> None:
         CollectorRegistry()), clock=lambda: 0.0)
     parsed = orjson.loads(raw)
     client = parsed.get("cache_salt")
-    forwarded = access.apply_salt(access.tenants["acme"], parsed, raw)
+    forwarded = access.tenants["acme"].apply_salt(parsed, raw)
     assert orjson.loads(forwarded) == parsed
     assert parsed["cache_salt"] == namespaced_salt("acme", client)
 
