@@ -16,8 +16,11 @@ is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse ord
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
 policy), ``GET /health`` (liveness), ``GET /ready`` (200 iff a replica is healthy, with
-what is degraded: ``router.readiness``), ``GET /metrics``.  The proxy routes are raw ASGI
-callables (``_ProxyRoute``): no Starlette Request/Response on the hot path.
+what is degraded: ``router.readiness``), ``GET /metrics``.  With API keys configured
+(``router.tenancy``), ``/v1/*`` needs a key, and ``/metrics`` and ``/debug/route`` follow
+``auth.metrics`` / ``auth.debug_route`` (``open``, ``trusted`` or ``disabled``); ``/health``
+and ``/ready`` stay open.  The proxy routes are raw ASGI callables (``_ProxyRoute``): no
+Starlette Request/Response on the hot path.
 
 Extending (policies, services): see ``router.plugins``.
 """
@@ -57,6 +60,7 @@ from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
 from router.readiness import TaskCollector, readiness
 from router.replica_registry import ReplicaRegistry
+from router.tenancy import Access, check_endpoint
 
 __all__ = ["State", "create_app"]
 
@@ -71,6 +75,8 @@ class State(TypedDict):
     metrics: RouterMetrics
     policies: PolicyRegistry
     context: PolicyContext
+    access: Access | None
+    """API keys, tenants and their limits; ``None`` when no keys are configured."""
 
 
 def create_app(
@@ -113,8 +119,11 @@ def create_app(
             metrics.bind_state(replicas, load)
             session = await stack.enter_async_context(_upstream_session(settings))
             probe_session = await stack.enter_async_context(
-                aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+                aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(),
+                                      headers=_upstream_auth(settings))
             )
+            access = (Access(settings.auth, metrics=metrics.tenants, clock=clock)
+                      if settings.auth.enabled else None)
             tasks = await stack.enter_async_context(TaskOwner())
             task_metrics = TaskCollector(tasks)
             prom.register(task_metrics)  # type: ignore[arg-type]
@@ -133,11 +142,14 @@ def create_app(
                 ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))
             policies = PolicyRegistry(factories, ctx, settings.policy)
             proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
-                          policies=policies, session=session, clock=clock)
+                          policies=policies, session=session, clock=clock, access=access)
             yield State(settings=settings, proxy=proxy, replicas=replicas, load=load,
-                        metrics=metrics, policies=policies, context=ctx)
+                        metrics=metrics, policies=policies, context=ctx, access=access)
 
     async def models(request: Request) -> Response:
+        access: Access | None = request.state.access
+        if access is not None:
+            access.authenticate(request.headers.get("authorization"))
         replicas: ReplicaRegistry = request.state.replicas
         body = orjson.dumps({"object": "list", "data": replicas.model_cards()})
         return Response(body, media_type="application/json")
@@ -151,6 +163,8 @@ def create_app(
         return JSONResponse(body, status_code=status)
 
     async def metrics_endpoint(request: Request) -> Response:
+        check_endpoint(settings.auth.metrics, request.state.access,
+                       request.headers.get("authorization"))
         return Response(generate_latest(prom), media_type=CONTENT_TYPE_LATEST)
 
     async def router_error(request: Request, exc: Exception) -> Response:
@@ -224,6 +238,7 @@ def _upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
     )
     return aiohttp.ClientSession(
         connector=connector,
+        headers=_upstream_auth(settings),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
         skip_auto_headers=("User-Agent",),
@@ -231,3 +246,12 @@ def _upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:
                                       sock_read=settings.timeouts.stream_read_s),
     )
 
+
+
+def _upstream_auth(settings: RouterSettings) -> dict[str, str] | None:
+    """``Authorization`` for every upstream call when ``auth.upstream_key`` is set (a
+    forwarded client header, if forwarding is on, overrides it per request)."""
+    key = settings.auth.upstream_key
+    if key is None:
+        return None
+    return {"Authorization": f"Bearer {key.get_secret_value()}"}

@@ -58,7 +58,7 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
                    "for each replica (replaces the 'replicas' setting; its id is host:port)")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="YAML file with any settings (replicas, timeouts, health, failover, "
-                   "index, scoring, ...)")
+                   "index, scoring, connections, auth, ...)")
     p.add_argument("--policy", metavar="NAME", default=None,
                    help="routing policy: kv (KV-cache aware, the default), session, "
                    "round_robin, least_loaded or random; a request may pick another with "
@@ -153,15 +153,18 @@ def _log_start(settings: RouterSettings, port: int) -> None:
 
 
 def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
-    """The uvicorn configuration of ``kvroute serve`` (uvloop, httptools)."""
+    """The uvicorn configuration of ``kvroute serve`` (uvloop, guarded httptools)."""
     import uvicorn
+
+    from router.conn_guard import guarded_protocol
 
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        # httptools, with timeouts and bounds on slow, idle and oversized clients.
+        http=guarded_protocol(settings.connections),  # also the keep-alive (idle) timeout
         lifespan="on",
         log_level=settings.log_level,
         access_log=settings.access_log,

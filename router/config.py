@@ -20,7 +20,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -29,7 +37,11 @@ from pydantic_settings import (
 )
 
 __all__ = [
+    "AccessMode",
+    "ApiKeySettings",
+    "AuthSettings",
     "ConfigError",
+    "ConnectionSettings",
     "FailoverSettings",
     "HealthSettings",
     "IndexSettings",
@@ -40,6 +52,7 @@ __all__ = [
     "RouterSettings",
     "ScoringSettings",
     "ScrapeSettings",
+    "TenantSettings",
     "TimeoutSettings",
     "UpstreamSettings",
 ]
@@ -314,6 +327,121 @@ class ScoringSettings(_Section):
     """Replica ``/metrics`` scraping."""
 
 
+class ConnectionSettings(_Section):
+    """Client connections to the router: slow or idle clients are cut off, and the number
+    of open connections and the size of request headers are bounded (``router.conn_guard``)."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's line and headers must all arrive within this time of its first byte
+    (a client that stalls mid-headers gets 408 and is closed)."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """A request's whole body must arrive within this time of its headers (an 8 MiB body
+    in 60 s is 140 KB/s); a client that stalls mid-body is closed."""
+    idle_timeout_s: float = Field(default=5.0, gt=0)
+    """A connection with no request in progress (before the first one or between two)
+    is closed after this time (uvicorn's keep-alive default; keep it above the idle
+    timeout of a load balancer in front, e.g. 65 behind a 60 s one)."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Open client connections; a connection past this is closed at once (raise the fd
+    limit, ``ulimit -n``, above it)."""
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    """Bytes of the request line and headers together; more gets 431 (nginx and Node
+    allow 8-32 KiB)."""
+    max_headers: int = Field(default=100, ge=1)
+    """Request header fields; more gets 431 (Apache's ``LimitRequestFields``)."""
+
+
+_TENANT_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+_MAX_TENANT_SALT = 95  # 128 (vLLM's cap) minus '.' and 32 hex digits of a client's sub-salt
+AccessMode = Literal["open", "trusted", "disabled"]
+"""Who may use an endpoint on the main listener: anyone, trusted tenants only (when
+keys are configured; anyone otherwise), or no one (404)."""
+
+
+class TenantSettings(_Section):
+    """One tenant: what its API keys may do."""
+
+    name: str = Field(pattern=_TENANT_NAME)
+    """The tenant's name (a metric label: letters, digits, ``_`` and ``-``)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=_MAX_TENANT_SALT)
+    """The ``cache_salt`` the router sets on every request of this tenant (default: the
+    tenant's name).  Tenants share cache blocks only when given the same salt."""
+    trusted: bool = False
+    """May use ``/debug/route`` (and ``/metrics``) when those are ``trusted``-only."""
+    routing_headers: bool | None = None
+    """Send the ``x-kvroute-*`` response headers (replica, reason, predicted cached
+    tokens: a cache-hit oracle); ``None`` means only if ``trusted``."""
+    max_concurrency: int = Field(default=0, ge=0)
+    """Requests in flight at once (0: unlimited); more get 429."""
+    requests_per_s: float = Field(default=0.0, ge=0)
+    """Sustained request rate (token bucket; 0: unlimited); more get 429."""
+    burst: int = Field(default=0, ge=0)
+    """Bucket size: requests allowed at once after a quiet spell (0: ``requests_per_s``
+    rounded up, at least 1)."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_salt(cls, value: str | None) -> str | None:
+        if value is not None and any(c in "@/\\\x00." for c in value):
+            raise ValueError("must not contain '@', '/', '\\', NUL or '.'")
+        return value
+
+
+class ApiKeySettings(_Section):
+    """One router API key, stored only as its SHA-256 (``printf %s "$KEY" | sha256sum``)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """Lower-case hex SHA-256 of the key (never the key itself)."""
+    tenant: str
+    """The tenant the key belongs to (a name under ``auth.tenants``)."""
+
+
+class AuthSettings(_Section):
+    """Router API keys (``Authorization: Bearer``) and tenants (``router.tenancy``).
+    With no ``keys``, the router is open, as without this section."""
+
+    keys: list[ApiKeySettings] = Field(default_factory=list)
+    """Accepted keys (hashes); when any is set, every ``/v1/*`` request needs one (401)."""
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    """Tenants the keys map to."""
+    forward_authorization: bool | None = None
+    """Pass the client's ``Authorization`` to the replicas; ``None``: only when no keys
+    are configured (then it is the replicas' key, as without this section)."""
+    upstream_key: SecretStr | None = None
+    """Key sent to the replicas (``Authorization: Bearer``, vLLM ``--api-key``) when the
+    client's is not forwarded, also by health probes and model discovery; set it from
+    the environment (``KVROUTE_AUTH__UPSTREAM_KEY``), not the file."""
+    debug_route: AccessMode = "trusted"
+    """``POST /debug/route`` on the main listener."""
+    metrics: AccessMode = "open"
+    """``GET /metrics`` on the main listener (scrapers usually bring no key)."""
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> AuthSettings:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenants: duplicate tenant name")
+        hashes = [k.sha256 for k in self.keys]
+        if len(set(hashes)) != len(hashes):
+            raise ValueError("keys: duplicate key hash")
+        for key in self.keys:
+            if key.tenant not in names:
+                raise ValueError(f"keys: unknown tenant {key.tenant!r}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Keys are configured: requests must authenticate."""
+        return bool(self.keys)
+
+    @property
+    def forwards_client_key(self) -> bool:
+        """``forward_authorization`` resolved: by default, only when no keys are set."""
+        if self.forward_authorization is None:
+            return not self.keys
+        return self.forward_authorization
+
+
 class RouterSettings(BaseSettings):
     """Everything ``kvroute serve`` needs, validated once."""
 
@@ -360,6 +488,10 @@ class RouterSettings(BaseSettings):
     """KV index backend."""
     scoring: ScoringSettings = Field(default_factory=ScoringSettings)
     """KV-aware scoring knobs."""
+    connections: ConnectionSettings = Field(default_factory=ConnectionSettings)
+    """Client connection limits and timeouts."""
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    """API keys, tenants, and who may use the debug and metrics endpoints."""
 
     @field_validator("policy_header", "session_header")
     @classmethod

@@ -15,7 +15,9 @@ session header gives the session key.  The answer::
                                   "decode_load", "load_known", "score"}, ...]}}
 
 Policies with a dry run (``decide(request, candidates, commit=False)``, as ``kv`` has)
-change no state: no provisional entries, no session update, no counters.  Other
+change no state: no provisional entries, no session update, no counters.  Access follows
+``auth.debug_route`` (``router.tenancy.check_endpoint``: with keys configured, trusted
+tenants only by default); a known tenant's ``cache_salt`` is applied as on the proxy.  Other
 policies are asked through ``route`` (``dry_run: false`` in the answer: a round-robin
 counter moves).  Bodies and headers are never logged.
 """
@@ -32,6 +34,7 @@ from starlette.responses import Response
 from router.errors import BadRequest, NoHealthyReplica, RouterError, UnknownModel, to_response
 from router.policy import Endpoint, RouteRequest
 from router.request import parse_body
+from router.tenancy import check_endpoint
 
 __all__ = ["debug_route"]
 
@@ -41,15 +44,21 @@ async def debug_route(request: Request) -> Response:
     state = request.state
     settings = state.settings
     try:
+        tenant = check_endpoint(settings.auth.debug_route, state.access,
+                                request.headers.get("authorization"))
         raw = await request.body()
         if len(raw) > settings.max_body_bytes:
             raise BadRequest("request body too large", code="body_too_large")
         endpoint = _endpoint(request.query_params.get("endpoint"), raw)
         body = parse_body(endpoint, raw)
+        if tenant is not None and body is not None:
+            tenant.apply_salt(body, raw)  # the salt the proxy would forward
         model = body.get("model") if body is not None else None
         session = request.headers.get(settings.session_header)
         if session is None and body is not None and isinstance(body.get("user"), str):
             session = body["user"]
+        if tenant is not None and session is not None:
+            session = tenant.session(session)
         override = request.headers.get(settings.policy_header)
         route = RouteRequest(
             request_id=request.headers.get("x-request-id") or os.urandom(16).hex(),
@@ -76,7 +85,8 @@ async def debug_route(request: Request) -> Response:
             dry = False
     except RouterError as exc:
         resp = to_response(exc)
-        return Response(resp.body, status_code=resp.status, media_type="application/json")
+        return Response(resp.body, status_code=resp.status, media_type="application/json",
+                        headers={k.decode(): v.decode() for k, v in resp.headers})
     answer: dict[str, Any] = {
         "policy": decision.policy,
         "reason": decision.reason,

@@ -6,7 +6,11 @@ Hierarchy::
     ├── BadRequest                400  invalid JSON, missing ``messages``/``prompt``, bad header
     │   └── UnknownPolicy         400  the per-request policy header names no policy
     ├── BodyTooLarge              413
+    ├── Unauthorized              401  missing or unknown API key (+ ``WWW-Authenticate``)
+    ├── Forbidden                 403  the tenant may not use this endpoint
+    ├── NotFound                  404  an endpoint disabled on this listener
     ├── UnknownModel              404  no configured replica serves the model
+    ├── RateLimited               429  a tenant's limit (+ ``Retry-After``)
     ├── NoHealthyReplica          503  + ``Retry-After``
     └── UpstreamError                  raised by the proxy's upstream adapter
         ├── ReplicaUnavailable    502  connect error / connection lost before the first byte
@@ -30,10 +34,14 @@ __all__ = [
     "BadRequest",
     "BodyTooLarge",
     "ErrorResponse",
+    "Forbidden",
     "NoHealthyReplica",
+    "NotFound",
+    "RateLimited",
     "ReplicaTimeout",
     "ReplicaUnavailable",
     "RouterError",
+    "Unauthorized",
     "UnknownModel",
     "UnknownPolicy",
     "UpstreamError",
@@ -72,6 +80,34 @@ class BodyTooLarge(RouterError):
     """The body exceeds ``max_body_bytes``."""
 
     code = "body_too_large"
+
+
+class Unauthorized(RouterError):
+    """API keys are configured and the request brings none, or an unknown one."""
+
+    code = "invalid_api_key"
+
+
+class Forbidden(RouterError):
+    """The tenant is known but may not use this endpoint."""
+
+    code = "forbidden"
+
+
+class NotFound(RouterError):
+    """The endpoint is disabled on this listener."""
+
+    code = "not_found"
+
+
+class RateLimited(RouterError):
+    """A tenant's concurrency or request-rate limit."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class UnknownModel(RouterError):
@@ -121,6 +157,10 @@ class ErrorResponse:
 _TABLE: dict[type[RouterError], tuple[int, str]] = {
     BadRequest: (400, "invalid_request_error"),
     BodyTooLarge: (413, "invalid_request_error"),
+    Unauthorized: (401, "invalid_request_error"),
+    Forbidden: (403, "permission_error"),
+    NotFound: (404, "invalid_request_error"),
+    RateLimited: (429, "requests"),
     UnknownModel: (404, "invalid_request_error"),
     NoHealthyReplica: (503, "service_unavailable"),
     ReplicaUnavailable: (502, "upstream_error"),
@@ -144,8 +184,10 @@ def to_response(exc: RouterError) -> ErrorResponse:
         entry = _TABLE[RouterError]
     status, type_ = entry
     headers: tuple[tuple[bytes, bytes], ...] = ()
-    if isinstance(exc, NoHealthyReplica):
+    if isinstance(exc, NoHealthyReplica | RateLimited):
         headers = ((b"retry-after", str(exc.retry_after_s).encode()),)
+    elif isinstance(exc, Unauthorized):
+        headers = ((b"www-authenticate", b"Bearer"),)
     return ErrorResponse(status, headers, error_body(exc.message, type_, exc.code))
 
 

@@ -27,7 +27,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -43,12 +43,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REMOTE_RENDER_COUNTERS",
+    "TENANT_OUTCOMES",
     "FastCounter",
     "FastHistogram",
     "KvMetrics",
     "Outcome",
     "RemoteRenderCollector",
     "RouterMetrics",
+    "TenantMetrics",
 ]
 
 _C = TypeVar("_C")
@@ -223,9 +225,17 @@ class RouterMetrics:
             "router_health_transitions_total", "Health state changes, by replica and new state.",
             ["replica", "state"], registry=registry,
         )
+        self.connections_refused = Counter(
+            "router_connections_refused_total",
+            "Client connections closed by the router's guards, by reason (max_connections, "
+            "header_timeout, body_timeout, headers_too_large).",
+            ["reason"], registry=registry,
+        )
         self._state: _StateCollector | None = None
         self.kv = KvMetrics(registry)
         """The KV-aware routing series (``router.kv_policy`` and its helpers)."""
+        self.tenants = TenantMetrics(registry)
+        """API keys and per-tenant limits (``router.tenancy``)."""
 
     def bind_state(self, replicas: ReplicaRegistry, load: LoadTracker) -> None:
         """Expose the registry's health and the tracker's load as scrape-time gauges."""
@@ -237,12 +247,47 @@ class RouterMetrics:
         for collector in (
             self.requests, self.upstream_requests, self.decisions, self.ttfb,
             self.request_duration, self.failovers, self.client_disconnects,
-            self.health_probes, self.health_transitions, self._state,
+            self.health_probes, self.health_transitions, self.connections_refused,
+            self._state,
         ):
             if collector is not None:
                 self.registry.unregister(collector)
         self._state = None
         self.kv.close()
+        self.tenants.close()
+
+
+TENANT_OUTCOMES = ("admitted", "rate_limited", "concurrency_limited")
+"""``router_tenant_requests_total{outcome}`` values."""
+
+
+class TenantMetrics:
+    """Series of API keys and tenants.  The ``tenant`` label takes configured tenant
+    names only (never a key or anything the client sent); ``reason`` a small enum."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "router_tenant_requests_total",
+            "Authenticated requests by tenant and admission outcome (admitted, "
+            "rate_limited, concurrency_limited).",
+            ["tenant", "outcome"], registry=registry,
+        )
+        self.inflight = Gauge(
+            "router_tenant_inflight_requests", "Admitted requests in flight, by tenant.",
+            ["tenant"], registry=registry,
+        )
+        self.auth_failures = Counter(
+            "router_auth_failures_total",
+            "Requests refused by authentication, by reason (missing_key, invalid_key, "
+            "forbidden).",
+            ["reason"], registry=registry,
+        )
+
+    def close(self) -> None:
+        """Unregister every series."""
+        for collector in (self.requests, self.inflight, self.auth_failures):
+            self.registry.unregister(collector)
 
 
 class _StateCollector:

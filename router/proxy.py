@@ -24,7 +24,8 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    reported (``router.usage``).
 
 Response headers added: ``x-request-id``, ``x-kvroute-replica``, ``x-kvroute-reason``,
-``x-kvroute-predicted-cached-tokens`` (when the decision predicts).
+``x-kvroute-predicted-cached-tokens`` (when the decision predicts); the ``x-kvroute-*``
+only for tenants allowed them.  With API keys, ``router.tenancy.Access`` runs first.
 
 Cost: the hot path is three coroutines deep (``handle``, ``_attempts``, ``_attempt``) and
 allocates little beyond what uvicorn and aiohttp need; the JSON parse of the body is its
@@ -61,7 +62,8 @@ from router.metrics import Outcome, RouterMetrics
 from router.plugins import PolicyRegistry
 from router.policy import Decision, Endpoint, Receipt, RouteRequest
 from router.replica_registry import ReplicaRegistry
-from router.request import ClientDisconnected, parse_body, read_body, scan_headers
+from router.request import ClientDisconnected, Incoming, parse_body, read_body, scan_headers
+from router.tenancy import Access, Tenant
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 
 __all__ = ["Proxy"]
@@ -103,7 +105,7 @@ class _Call:
     __slots__ = ("endpoint", "method", "path", "query", "body", "headers", "stream",
                  "tap_strip", "request_id", "route", "decision", "prompt_estimate",
                  "receipt_ok", "prompt_tokens", "cached_tokens", "completion_tokens", "ttfb_s",
-                 "replica", "done", "gone", "watcher")
+                 "replica", "done", "gone", "watcher", "routing_headers")
 
     def __init__(self, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
                  headers: dict[str, str], stream: bool, tap_strip: bool, request_id: str,
@@ -132,6 +134,7 @@ class _Call:
         self.gone = False
         """The watcher saw the client leave and cancelled the handler."""
         self.watcher: asyncio.Task[None] | None = None
+        self.routing_headers = True  # the x-kvroute-* response headers
 
 
 class Proxy:
@@ -147,6 +150,7 @@ class Proxy:
         policies: PolicyRegistry,
         session: aiohttp.ClientSession,
         clock: Callable[[], float],
+        access: Access | None = None,
     ) -> None:
         self._replicas = replicas
         self._load = load
@@ -155,6 +159,8 @@ class Proxy:
         self._session = session
         self._clock = clock
         self._limit = settings.max_body_bytes
+        self._access = access
+        self._forward_key = settings.auth.forwards_client_key
         self._policy_header = settings.policy_header.lower().encode("latin-1")
         self._session_header = settings.session_header.lower().encode("latin-1")
         t = settings.timeouts
@@ -206,14 +212,32 @@ class Proxy:
         except RouterError as exc:
             return await _send_error(send, exc, self._new_id())
         request_id = inc.request_id or self._new_id()
+        access = self._access
+        if access is None:
+            return await self._serve(scope, receive, send, endpoint, inc, request_id, None)
+        try:
+            tenant = access.admit(inc.authorization)
+        except RouterError as exc:
+            return await _send_error(send, exc, request_id)
+        try:
+            return await self._serve(scope, receive, send, endpoint, inc, request_id, tenant)
+        finally:
+            access.release(tenant)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint,
+                     inc: Incoming, request_id: str, tenant: Tenant | None) -> int:
+        """The request past authentication and admission (``tenant``: ``None`` without keys)."""
         try:
             body = await read_body(receive, self._limit, inc.content_length)
             parsed = parse_body(endpoint, body)
+            session = inc.session or _user(parsed)
+            if tenant is not None:  # its cache_salt (the policy sees it too), its sessions
+                body, session = tenant.scope(parsed, body, session)
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):
                 model = None
             route = RouteRequest(request_id, endpoint, scope["path"], model, parsed,
-                                 inc.session or _user(parsed), inc.policy)
+                                 session, inc.policy)
             policy = self._policies.get(inc.policy) if inc.policy else self._policies.default
             candidates, known = self._replicas.candidates(model)
             if not candidates:
@@ -238,11 +262,15 @@ class Proxy:
                 strip = True
         headers = inc.forward
         headers["x-request-id"] = request_id
+        if not self._forward_key:
+            headers.pop("authorization", None)  # the upstream key, if any, is the session's
         prompt_tokens = decision.prompt_tokens
         if prompt_tokens is None:
             prompt_tokens = len(body) // 4  # load estimate only: ~4 bytes of JSON per token
         call = _Call(endpoint, scope["method"], scope["path"], scope.get("query_string", b""),
                      body, headers, stream, strip, request_id, route, decision, prompt_tokens)
+        if tenant is not None:
+            call.routing_headers = tenant.routing_headers
         _log.debug("request %s -> %s (%s/%s)", request_id, decision.replicas[0],
                    decision.policy, decision.reason)
 
@@ -397,6 +425,8 @@ class Proxy:
         if length is not None:
             headers.append((b"content-length", b"%d" % length))
         headers.append((b"x-request-id", call.request_id.encode("latin-1")))
+        if not call.routing_headers:  # untrusted tenant: they are a cache-hit oracle
+            return headers
         headers.append((b"x-kvroute-replica", self._b(replica)))
         decision: Decision = call.decision
         headers.append((b"x-kvroute-reason", self._b(decision.reason)))

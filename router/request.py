@@ -40,7 +40,8 @@ class ClientDisconnected(Exception):
 class Incoming:
     """What the proxy keeps of the request headers."""
 
-    __slots__ = ("forward", "content_length", "request_id", "policy", "session")
+    __slots__ = ("forward", "content_length", "request_id", "policy", "session",
+                 "authorization")
 
     def __init__(self) -> None:
         self.forward: dict[str, str] = {}
@@ -48,6 +49,8 @@ class Incoming:
         self.request_id: str | None = None
         self.policy: str | None = None
         self.session: str | None = None
+        self.authorization: str | None = None
+        """The client's ``Authorization`` value (forwarded too, unless the proxy drops it)."""
 
 
 def scan_headers(
@@ -69,6 +72,8 @@ def scan_headers(
             continue
         elif name == session_header:
             inc.session = value.decode("latin-1")
+        elif name == b"authorization":
+            inc.authorization = value.decode("latin-1")
         if name not in _HOP:
             forward[name.decode("latin-1")] = value.decode("latin-1")
     return inc

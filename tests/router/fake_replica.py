@@ -64,6 +64,8 @@ class FakeReplica:
         self.behaviour = behaviour or Behaviour()
         self.seen: list[Seen] = []
         self.health_hits = 0
+        self.probe_authorization: list[str | None] = []
+        """``Authorization`` of each ``/health`` and ``/v1/models`` request."""
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -103,9 +105,11 @@ class FakeReplica:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_hits += 1
+        self.probe_authorization.append(request.headers.get("Authorization"))
         return web.Response(status=200 if self.behaviour.healthy else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.probe_authorization.append(request.headers.get("Authorization"))
         data = [{"id": m, "object": "model", "owned_by": "vllm", "root": m, "parent": None}
                 for m in self.behaviour.models]
         return web.json_response({"object": "list", "data": data})

@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 import uvicorn
 from starlette.applications import Starlette
 
+from router.config import ConnectionSettings
+from router.conn_guard import guarded_protocol
 from router.listen import bind_socket
 
 
@@ -32,11 +34,15 @@ class _Server(uvicorn.Server):
 
 
 @asynccontextmanager
-async def run_server(app: Starlette, *, grace_s: int = 5) -> AsyncIterator[str]:
-    """Serve ``app``; yields its base URL."""
+async def run_server(app: Starlette, *, grace_s: int = 5,
+                     connections: ConnectionSettings | None = None) -> AsyncIterator[str]:
+    """Serve ``app``; yields its base URL.  With ``connections``, the connection guards
+    of ``kvroute serve`` apply (``router.conn_guard``)."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, http="httptools", lifespan="on", log_level="warning",
+    http: type[asyncio.Protocol] | str = (
+        "httptools" if connections is None else guarded_protocol(connections))
+    config = uvicorn.Config(app, http=http, lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=grace_s,
                             server_header=False, date_header=False)
     server = _Server(config)

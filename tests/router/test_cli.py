@@ -22,6 +22,7 @@ from kvroute.cli import main
 from router.app import create_app
 from router.cli import _GC_YOUNG, _tune_gc, _uvicorn_config
 from router.config import RouterSettings
+from router.conn_guard import GuardedHttpToolsProtocol
 from tests.router.conftest import StartFakes
 from tests.router.helpers import chat, measure_ttfb
 from tests.router.server import free_port
@@ -83,7 +84,9 @@ def test_serve_uvicorn_config(access_log: bool) -> None:
     settings = RouterSettings.load(cli={"replicas": [{"url": "http://127.0.0.1:1"}],
                                         "access_log": access_log})
     config = _uvicorn_config(create_app(settings), settings)
-    assert (config.loop, config.http, config.lifespan) == ("uvloop", "httptools", "on")
+    assert (config.loop, config.lifespan) == ("uvloop", "on")
+    assert isinstance(config.http, type) and issubclass(config.http, GuardedHttpToolsProtocol)
+    assert config.http.limits == settings.connections
     assert config.proxy_headers is access_log and config.access_log is access_log
     assert not config.server_header and not config.date_header
 
