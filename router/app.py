@@ -11,7 +11,10 @@ is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse ord
 4. a ``TaskOwner`` for background tasks (cancelled and awaited on exit);
 5. one health round (awaited: traffic starts with known health), then the prober task;
 6. the ``Service``s, in order (``ctx.services[name]``);
-7. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``.
+7. the ``Membership`` and its run-time sources (``router.membership_sources``: the
+   membership file, re-read on SIGHUP and on change, and DNS names; applied once before
+   traffic, then kept current by owned tasks);
+8. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
@@ -43,6 +46,8 @@ from router.debug import debug_route
 from router.errors import RouterError, to_response
 from router.health import HealthProber
 from router.load import LoadTracker
+from router.membership import Membership
+from router.membership_sources import Resolver, run_membership
 from router.metrics import RouterMetrics
 from router.plugins import (
     PolicyContext,
@@ -70,6 +75,7 @@ class State(TypedDict):
     metrics: RouterMetrics
     policies: PolicyRegistry
     context: PolicyContext
+    membership: Membership
 
 
 def create_app(
@@ -80,12 +86,16 @@ def create_app(
     policy_factories: Mapping[str, PolicyFactory] | None = None,
     services: Sequence[Service] | None = None,
     rng: random.Random | None = None,
+    resolver: Resolver | None = None,
+    sighup: bool = True,
 ) -> Starlette:
     """The router as an ASGI app.
 
     ``policy_factories`` default to ``builtin_policy_factories()`` and ``services`` to
     ``builtin_services(settings)``.  ``registry`` defaults to a fresh
-    ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.
+    ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.  ``resolver``
+    replaces the system DNS resolver of ``membership.dns``; ``sighup=False`` leaves
+    SIGHUP alone (the membership file is still re-read when it changes).
     """
     factories = dict(policy_factories if policy_factories is not None
                      else builtin_policy_factories())
@@ -127,11 +137,15 @@ def create_app(
             )
             for service in service_list:
                 ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))
+            membership = await stack.enter_async_context(run_membership(
+                settings, replicas, load, metrics=metrics, prober=prober, tasks=tasks,
+                resolver=resolver, sighup=sighup))
             policies = PolicyRegistry(factories, ctx, settings.policy)
             proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
                           policies=policies, session=session, clock=clock)
             yield State(settings=settings, proxy=proxy, replicas=replicas, load=load,
-                        metrics=metrics, policies=policies, context=ctx)
+                        metrics=metrics, policies=policies, context=ctx,
+                        membership=membership)
 
     async def models(request: Request) -> Response:
         replicas: ReplicaRegistry = request.state.replicas
