@@ -14,7 +14,8 @@ is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse ord
 7. the ``Membership`` and its run-time sources (``router.membership_sources``: the
    membership file, re-read on SIGHUP and on change, and DNS names; applied once before
    traffic, then kept current by owned tasks);
-8. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``.
+8. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``;
+9. the admin listener (``router.admin_server``), when ``admin.enabled``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
@@ -41,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.admin_server import serve_admin
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, to_response
@@ -88,6 +90,7 @@ def create_app(
     rng: random.Random | None = None,
     resolver: Resolver | None = None,
     sighup: bool = True,
+    worker: int = 0,
 ) -> Starlette:
     """The router as an ASGI app.
 
@@ -95,7 +98,9 @@ def create_app(
     ``builtin_services(settings)``.  ``registry`` defaults to a fresh
     ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.  ``resolver``
     replaces the system DNS resolver of ``membership.dns``; ``sighup=False`` leaves
-    SIGHUP alone (the membership file is still re-read when it changes).
+    SIGHUP alone (the membership file is still re-read when it changes).  ``worker`` is
+    this process's index under ``kvroute serve --workers N`` (its admin listener is on
+    ``admin.port + worker``).
     """
     factories = dict(policy_factories if policy_factories is not None
                      else builtin_policy_factories())
@@ -143,9 +148,11 @@ def create_app(
             policies = PolicyRegistry(factories, ctx, settings.policy)
             proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
                           policies=policies, session=session, clock=clock)
-            yield State(settings=settings, proxy=proxy, replicas=replicas, load=load,
-                        metrics=metrics, policies=policies, context=ctx,
-                        membership=membership)
+            state = State(settings=settings, proxy=proxy, replicas=replicas, load=load,
+                          metrics=metrics, policies=policies, context=ctx,
+                          membership=membership)
+            await stack.enter_async_context(serve_admin(state, worker=worker))
+            yield state
 
     async def models(request: Request) -> Response:
         replicas: ReplicaRegistry = request.state.replicas
