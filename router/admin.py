@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.config import ReplicaSettings
 from router.debug import debug_route
 from router.errors import error_body

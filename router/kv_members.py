@@ -20,12 +20,12 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 
+from aio.task_owner import TaskOwner
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
 from index.status import SourceStatus
 from index.store import IndexUnavailable, KVIndex
 from index.subscriber import EventSource, IngestObserver
-from index.types import ReplicaId
-from router.tasks import TaskOwner
+from kvkeys.types import ReplicaId
 
 __all__ = ["MemberIngestion"]
 

@@ -40,11 +40,11 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from index.types import ReplicaId
+from aio.task_owner import TaskOwner
+from kvkeys.types import ReplicaId
 from router.config import ReplicaSettings
 from router.load import LoadTracker
-from router.replicas import ReplicaRegistry
-from router.tasks import TaskOwner
+from router.replica_registry import ReplicaRegistry
 
 __all__ = ["Change", "Membership", "MembershipMetrics", "Source"]
 

@@ -32,15 +32,15 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from index.types import ReplicaId
+from aio.task_owner import TaskOwner
+from kvkeys.types import ReplicaId
 from router.config import DnsSourceSettings, ReplicaSettings, RouterSettings
 from router.health import HealthProber
 from router.load import LoadTracker
 from router.membership import Change, Membership, MembershipMetrics
 from router.metrics import RouterMetrics
-from router.replicas import ReplicaRegistry
+from router.replica_registry import ReplicaRegistry
 from router.series import forget_replica
-from router.tasks import TaskOwner
 
 __all__ = ["DnsSource", "FileSource", "Resolver", "run_membership", "system_resolver"]
 

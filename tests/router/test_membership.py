@@ -227,7 +227,7 @@ async def _eq(value: Any, expected: Any) -> bool:
 
 
 def test_the_ring_moves_about_one_in_n_sessions_on_join_and_leave() -> None:
-    from index.types import ReplicaId
+    from kvkeys.types import ReplicaId
     from router.affinity import AffinityRing
 
     ring = AffinityRing(vnodes=160)

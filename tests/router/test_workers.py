@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from replica.tiny_tokenizer import build_tokenizer
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from tests.router.fake_replica import Behaviour, FakeReplica
 from tests.router.helpers import chat, scrape
 from tests.router.server import free_port
