@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as redis
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -47,9 +48,11 @@ def write_fleet(path: Path, sims: dict[str, SimHandle]) -> None:
                                                  for rid, s in sims.items()]}))
 
 
-async def _router(stack: AsyncExitStack, tok: Path, fleet: Path) -> Fleet:
+async def _router(stack: AsyncExitStack, tok: Path, fleet: Path,
+                  index: dict[str, Any] | None = None) -> Fleet:
     settings = RouterSettings.model_validate({
         "policy": "kv",
+        "index": index or {"backend": "memory"},
         "health": {"interval_s": 0.1},
         "membership": {"file": str(fleet), "file_poll_s": 0.05, "drain_timeout_s": 10},
         "scoring": {"models": [{"name": MODEL, "block_size": 16, "tokenizer": str(tok)}],
@@ -177,3 +180,48 @@ def _resyncs(f: Fleet, replica: str) -> float:
 
 async def _all_live(f: Fleet, replicas: list[str]) -> bool:
     return all([await live(f, r) for r in replicas])
+
+
+async def test_routers_on_one_redis_index_follow_the_same_file_and_the_leases_follow(
+    stack: AsyncExitStack, tokenizer_dir: Path, tmp_path: Path, redis_url: str,
+    redis_namespace: str,
+) -> None:
+    sims = {f"r{i}": await stack.enter_async_context(sim(tokenizer_dir, i)) for i in range(3)}
+    fleet = tmp_path / "fleet.yaml"
+    write_fleet(fleet, {"r0": sims["r0"], "r1": sims["r1"]})
+    index = {"backend": "redis", "url": redis_url, "key_prefix": redis_namespace + ":",
+             "op_timeout_s": 1.0}
+    a = await _router(stack, tokenizer_dir, fleet, index)
+    b = await _router(stack, tokenizer_dir, fleet, index)
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+    stack.push_async_callback(client.aclose)
+
+    async def leased(replica: str) -> bool:
+        return bool(await client.exists(f"{redis_namespace}:lease:src:{replica}"))
+
+    await eventually(lambda: _all_live(a, ["r0", "r1"]))
+    await eventually(lambda: _all_live(b, ["r0", "r1"]))
+    assert await leased("r0") and await leased("r1") and not await leased("r2")
+
+    write_fleet(fleet, sims)  # r2 joins both routers; one of them ingests it
+    await eventually(lambda: _all_live(a, ["r2"]))
+    await eventually(lambda: _all_live(b, ["r2"]))
+    await eventually(lambda: leased("r2"))
+    convs = [Conversation(system=f"Two routers {i}. " * 20, session=f"t{i}") for i in range(6)]
+    for turn in range(4):  # turns alternate between the routers
+        for c in convs:
+            await send(a if turn % 2 == 0 else b, c, f"turn {turn} " * 6, stream=False)
+        await asyncio.sleep(0.2)
+    later = [c.turns[i] for c in convs for i in range(1, 4)]
+    assert exact(later) >= 0.95, [(t.replica, t.predicted, t.cached) for t in later]
+
+    write_fleet(fleet, {"r1": sims["r1"], "r2": sims["r2"]})  # r0 leaves both
+    for f in (a, b):
+        await eventually(lambda f=f: _eq(healthy(f.http, f.router), {"r1", "r2"}))
+    await eventually(lambda: _not(leased("r0")))  # its ingester let the lease go
+    after = [await send(b, c, "after r0 left " * 4, stream=False) for c in convs]
+    assert "r0" not in {t.replica for t in after} and exact(after) >= 0.95
+
+
+async def _not(value: Any) -> bool:
+    return not await value
