@@ -216,8 +216,8 @@ async def test_routers_on_one_redis_index_follow_the_same_file_and_the_leases_fo
     assert exact(later) >= 0.95, [(t.replica, t.predicted, t.cached) for t in later]
 
     write_fleet(fleet, {"r1": sims["r1"], "r2": sims["r2"]})  # r0 leaves both
-    for f in (a, b):
-        await eventually(lambda f=f: _eq(healthy(f.http, f.router), {"r1", "r2"}))
+    await eventually(lambda: _eq(healthy(a.http, a.router), {"r1", "r2"}))
+    await eventually(lambda: _eq(healthy(b.http, b.router), {"r1", "r2"}))
     await eventually(lambda: _not(leased("r0")))  # its ingester let the lease go
     after = [await send(b, c, "after r0 left " * 4, stream=False) for c in convs]
     assert "r0" not in {t.replica for t in after} and exact(after) >= 0.95
