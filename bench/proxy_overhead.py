@@ -254,6 +254,22 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """``_cpu_seconds`` of ``pid`` and every live descendant (``kvroute serve --workers``:
+    the supervisor and its workers)."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += _cpu_seconds(p)
+            todo += [int(c) for c in
+                     Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def _machine_busy_seconds() -> float:
     """CPU time every process on the machine has used so far (``/proc/stat``: all but
     idle and iowait), in seconds."""
@@ -271,14 +287,14 @@ class _CpuWatch:
         self._router = router_pid
         self._load = load_pids
         self._t0 = time.perf_counter()
-        self._r0 = _cpu_seconds(router_pid)
+        self._r0 = _tree_cpu_seconds(router_pid)
         self._l0 = sum(_cpu_seconds(p) for p in load_pids)
         self._m0 = _machine_busy_seconds()
 
     def stop(self) -> tuple[float, float, float, float]:
         """``(router CPU s, router share, load-side share, others' CPU in cores)``."""
         wall = time.perf_counter() - self._t0
-        router = _cpu_seconds(self._router) - self._r0
+        router = _tree_cpu_seconds(self._router) - self._r0
         load = sum(_cpu_seconds(p) for p in self._load) - self._l0
         machine = _machine_busy_seconds() - self._m0
         return router, router / wall, load / wall, max(0.0, machine - router - load) / wall
@@ -467,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/kvroute-proxy-overhead.json",
                    help="where to write the JSON results")
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument("--workers", type=int, default=1,
+                   help="kvroute serve --workers N (default 1; with N > 1 the router's "
+                   "processes are not pinned, and its CPU is the whole process tree's)")
     args = p.parse_args(argv)
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
 
@@ -483,20 +502,23 @@ def main(argv: list[str] | None = None) -> int:
     kvroute = str(Path(sys.executable).with_name("kvroute"))
     cmd = [kvroute, "serve", "--host", "127.0.0.1", "--port", str(router_port),
            "--log-level", "warning", "--policy", args.policy]
+    if args.workers > 1:
+        cmd += ["--workers", str(args.workers)]
     for port in replica_ports:
         cmd += ["--replica", f"http://127.0.0.1:{port}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     router = subprocess.Popen(cmd, env=env)
     try:
         _pin(replicas.pid, {0}, pin)
-        _pin(router.pid, {1}, pin)
+        _pin(router.pid, {1}, pin and args.workers == 1)
         for port in replica_ports:
             _wait_http(port, "/health")
         _wait_http(router_port, "/ready")
         body_kb = len(chat_body(False)) / 1024
         print(f"proxy overhead: {args.replicas} replicas, body {body_kb:.1f} KB, "
               f"{args.rounds} x {args.phase_s}s per cell and target, policy {args.policy}, "
-              f"pinned={pin}, load average {os.getloadavg()[0]:.1f}", flush=True)
+              f"workers {args.workers}, pinned={pin}, "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
         import uvloop
 
         load_before = os.getloadavg()
@@ -518,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = _summary(results, every)
     report = {
         "replicas": args.replicas, "phase_s": args.phase_s, "rounds": args.rounds,
-        "policy": args.policy, "pinned": pin,
+        "policy": args.policy, "pinned": pin, "workers": args.workers,
         "loadavg_before": load_before, "loadavg_after": load_after,
         "body_bytes": len(chat_body(False)), "cpus": os.cpu_count(),
         "summary": summary, "phases": [asdict(r) for r in results],

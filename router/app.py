@@ -11,7 +11,11 @@ is built in its lifespan, inside one ``AsyncExitStack`` (teardown in reverse ord
 4. a ``TaskOwner`` for background tasks (cancelled and awaited on exit);
 5. one health round (awaited: traffic starts with known health), then the prober task;
 6. the ``Service``s, in order (``ctx.services[name]``);
-7. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``.
+7. the ``Membership`` and its run-time sources (``router.membership_sources``: the
+   membership file, re-read on SIGHUP and on change, and DNS names; applied once before
+   traffic, then kept current by owned tasks);
+8. the ``PolicyRegistry`` (default policy built now), then the ``Proxy``;
+9. the admin listener (``router.admin_server``), when ``admin.enabled``.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
 (union of the healthy replicas' models), any other ``/v1/*`` (passed through via the same
@@ -42,11 +46,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aio.task_owner import TaskOwner
+from router.admin_server import serve_admin
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, to_response
 from router.health import HealthProber
 from router.load import LoadTracker
+from router.membership import Membership
+from router.membership_sources import Resolver, run_membership
 from router.metrics import RouterMetrics
 from router.plugins import (
     PolicyContext,
@@ -77,6 +84,7 @@ class State(TypedDict):
     context: PolicyContext
     access: Access | None
     """API keys, tenants and their limits; ``None`` when no keys are configured."""
+    membership: Membership
 
 
 def create_app(
@@ -87,12 +95,19 @@ def create_app(
     policy_factories: Mapping[str, PolicyFactory] | None = None,
     services: Sequence[Service] | None = None,
     rng: random.Random | None = None,
+    resolver: Resolver | None = None,
+    sighup: bool = True,
+    worker: int = 0,
 ) -> Starlette:
     """The router as an ASGI app.
 
     ``policy_factories`` default to ``builtin_policy_factories()`` and ``services`` to
     ``builtin_services(settings)``.  ``registry`` defaults to a fresh
-    ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.
+    ``CollectorRegistry``; ``rng`` to one seeded with ``settings.seed``.  ``resolver``
+    replaces the system DNS resolver of ``membership.dns``; ``sighup=False`` leaves
+    SIGHUP alone (the membership file is still re-read when it changes).  ``worker`` is
+    this process's index under ``kvroute serve --workers N`` (its admin listener is on
+    ``admin.port + worker``).
     """
     factories = dict(policy_factories if policy_factories is not None
                      else builtin_policy_factories())
@@ -140,11 +155,17 @@ def create_app(
             )
             for service in service_list:
                 ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))
+            membership = await stack.enter_async_context(run_membership(
+                settings, replicas, load, metrics=metrics, prober=prober, tasks=tasks,
+                resolver=resolver, sighup=sighup))
             policies = PolicyRegistry(factories, ctx, settings.policy)
             proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
                           policies=policies, session=session, clock=clock, access=access)
-            yield State(settings=settings, proxy=proxy, replicas=replicas, load=load,
-                        metrics=metrics, policies=policies, context=ctx, access=access)
+            state = State(settings=settings, proxy=proxy, replicas=replicas, load=load,
+                          metrics=metrics, policies=policies, context=ctx, access=access,
+                          membership=membership)
+            await stack.enter_async_context(serve_admin(state, worker=worker))
+            yield state
 
     async def models(request: Request) -> Response:
         access: Access | None = request.state.access

@@ -1,7 +1,7 @@
 """Subcommands of ``kvroute`` that belong to ``router``.
 
 ``kvroute serve --host H --port P --replica URL [--replica URL ...] [--config FILE]
-[--policy NAME] [--log-level LEVEL]``: flags override ``KVROUTE_*`` variables, which
+[--policy NAME] [--log-level LEVEL] [--workers N]``: flags override ``KVROUTE_*`` variables, which
 override the YAML file (``router.config``).  The command line is a stable interface.
 Heavy imports (uvicorn, the app) happen inside the handler so ``kvroute --help`` is fast.
 """
@@ -9,6 +9,7 @@ Heavy imports (uvicorn, the app) happen inside the handler so ``kvroute --help``
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -69,17 +70,17 @@ def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level (default info; setting: log_level)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="router processes on the one port (SO_REUSEPORT; default 1); see "
+                   "router.workers for what they share")
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from router.app import create_app
     from router.config import ConfigError, RouterSettings
-    from router.listen import bind_socket
 
     cli: dict[str, Any] = {}
     if args.host is not None:
@@ -94,10 +95,13 @@ def _serve(args: argparse.Namespace) -> int:
         cli["max_body_bytes"] = args.max_body_bytes
     if args.log_level is not None:
         cli["log_level"] = args.log_level
+    if args.workers < 1:
+        print("kvroute serve: --workers must be at least 1", file=sys.stderr)
+        return 2
     try:
         settings = RouterSettings.load(config_file=args.config, cli=cli)
         check_model_files(settings)
-        app = create_app(settings)
+        create_app(settings)  # validates the wiring before any process starts
     except ConfigError as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2
@@ -105,15 +109,33 @@ def _serve(args: argparse.Namespace) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    config = _uvicorn_config(app, settings)
     try:
+        if args.workers > 1:
+            from router.workers import run_workers
+
+            return run_workers(settings.model_dump(mode="json"), settings.host,
+                               settings.port, args.workers, settings.timeouts.shutdown_grace_s)
+        from router.listen import bind_socket
+
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
         print(f"kvroute serve: cannot listen on {settings.host}:{settings.port}: "
               f"{exc.strerror or exc} (another process holds the port? pick another --port)",
               file=sys.stderr)
         return 1
-    _log_start(settings, sock.getsockname()[1])
+    return run_server(settings, sock)
+
+
+def run_server(settings: RouterSettings, sock: socket.socket, *, worker: int = 0) -> int:
+    """Serve the router app on ``sock`` until SIGINT/SIGTERM (graceful); 0 on a clean
+    run, 1 if it never started.  ``worker`` is the index under ``--workers``."""
+    import uvicorn
+
+    from router.app import create_app
+
+    config = _uvicorn_config(create_app(settings, worker=worker), settings)
+    if worker == 0:
+        _log_start(settings, sock.getsockname()[1])
     server = uvicorn.Server(config)
     _tune_gc()
     try:

@@ -36,6 +36,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from router.config_membership import AdminSettings, DnsSourceSettings, MembershipSettings
+
 __all__ = [
     "AccessMode",
     "ApiKeySettings",
@@ -55,6 +57,9 @@ __all__ = [
     "TenantSettings",
     "TimeoutSettings",
     "UpstreamSettings",
+    "MembershipSettings",
+    "DnsSourceSettings",
+    "AdminSettings",
 ]
 
 
@@ -492,6 +497,10 @@ class RouterSettings(BaseSettings):
     """Client connection limits and timeouts."""
     auth: AuthSettings = Field(default_factory=AuthSettings)
     """API keys, tenants, and who may use the debug and metrics endpoints."""
+    membership: MembershipSettings = Field(default_factory=MembershipSettings)
+    """Run-time replica sources (file, DNS) and draining."""
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    """The admin listener."""
 
     @field_validator("policy_header", "session_header")
     @classmethod
@@ -502,10 +511,12 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_replicas(self) -> RouterSettings:
-        if not self.replicas:
+        dynamic = self.membership.file or self.membership.dns or self.admin.enabled
+        if not self.replicas and not dynamic:
             raise ValueError(
                 "replicas: at least one replica is required "
-                "(--replica URL, KVROUTE_REPLICAS or 'replicas:' in the config file)"
+                "(--replica URL, KVROUTE_REPLICAS or 'replicas:' in the config file), "
+                "or a run-time source (membership.file, membership.dns, admin.enabled)"
             )
         seen: set[str] = set()
         for replica in self.replicas:

@@ -63,6 +63,14 @@ class HealthProber:
         """One concurrent probe round over every replica."""
         await asyncio.gather(*(self._probe(r) for r in self._replicas.ids))
 
+    async def probe(self, replica: ReplicaId) -> None:
+        """Probe one replica now (a replica that just joined)."""
+        await self._probe(replica)
+
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop what is kept about a replica that left."""
+        self._models_read_at.pop(replica, None)
+
     async def _probe(self, replica: ReplicaId) -> None:
         state = self._replicas[replica]
         ok = False
@@ -72,6 +80,8 @@ class HealthProber:
                 ok = 200 <= resp.status < 300
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             _log.debug("health probe of %s failed: %r", replica, exc)
+        if replica not in self._replicas:  # it left while probed: no series for it
+            return
         self._metrics.health_probes.labels(replica, "ok" if ok else "fail").inc()
         changed = self._replicas.record_probe(replica, ok)
         if changed is not None:

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from index.event_applier import BatchResult
-from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
+from index.ingestion import LeaseSettings, SourceSpec
 from index.redis_store import RedisIndex
 from index.status import SourceStatus
 from index.store import KVIndex
@@ -46,13 +46,16 @@ from router.block_size_check import BlockSizeCheck
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
+from router.kv_members import MemberIngestion
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_stack import check_index, instrumented_index
 from router.metrics import RemoteRenderCollector
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
+from router.replica_registry import ReplicaRegistry
 from router.scoring import CostModel, ScoringWeights
 from router.scrape import MetricsScraper, ScrapeSample
+from router.series import forget_replica
 from router.session_policy import SessionPolicy
 
 __all__ = [
@@ -131,7 +134,7 @@ class KvServices:
     index: KVIndex
     horizon: HorizonEstimator
     scraper: MetricsScraper | None
-    ingestion: KVEventIngestion | None
+    ingestion: MemberIngestion | None
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """The event-source snapshot of ``replica``, if it has a source."""
@@ -185,26 +188,48 @@ def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
     ]
 
 
-def _sources(ctx: PolicyContext) -> list[SourceSpec]:
+def _spec(ctx: PolicyContext, replica: ReplicaId) -> SourceSpec | None:
+    """The event source of one member replica, or ``None`` if it is not ingested."""
     settings = ctx.settings
+    state = ctx.replicas.get(replica)
+    if state is None or state.settings is None:
+        return None
+    r = state.settings
+    if r.kv_events_endpoint is None and not settings.scoring.discover_kv_events:
+        return None
     default_model = settings.scoring.models[0].name if settings.scoring.models else None
-    specs = []
-    for r in settings.replicas:
-        if r.kv_events_endpoint is None and not settings.scoring.discover_kv_events:
-            continue
-        # The key root: configured, else what the health prober read from /v1/models
-        # (discovery asks the replica itself when neither is known).
-        discovered = ctx.replicas[ReplicaId(r.id)].models
-        model = (r.models[0] if r.models else default_model
-                 or (discovered[0] if discovered else None))
-        if r.kv_events_endpoint is not None and model is None:
-            _log.warning("replica %s: no model known for its KV events; not ingested", r.id)
-            continue
-        specs.append(SourceSpec(
-            replica=ReplicaId(r.id), model=model, url=r.url,
-            endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint,
-        ))
-    return specs
+    # The key root: configured, else what the health prober read from /v1/models
+    # (discovery asks the replica itself when neither is known).
+    discovered = state.models
+    model = (r.models[0] if r.models else default_model
+             or (discovered[0] if discovered else None))
+    if r.kv_events_endpoint is not None and model is None:
+        _log.warning("replica %s: no model known for its KV events; not ingested", r.id)
+        return None
+    return SourceSpec(replica=ReplicaId(r.id), model=model, url=r.url,
+                      endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint)
+
+
+def _follow_membership(ctx: PolicyContext, ingestion: MemberIngestion,
+                       index_metrics: IndexMetrics) -> None:  # fmt: skip
+    """Start ingesting joining replicas; stop, clear and forget leaving ones."""
+
+    def on_change(change: str, replica: ReplicaId) -> None:
+        if ingestion.closed:  # shutting down
+            return
+        if change == "added":
+            spec = _spec(ctx, replica)
+            if spec is not None:
+                ingestion.add(spec)
+            return
+
+        async def leave() -> None:
+            await ingestion.remove(replica)
+            forget_replica([index_metrics], replica)
+
+        ctx.tasks.spawn(leave(), name=f"kv-leave:{replica}")
+
+    ctx.replicas.on_membership(on_change)
 
 
 @asynccontextmanager
@@ -217,7 +242,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index_metrics = IndexMetrics(ctx.metrics.registry)
     index = instrumented_index(ctx.settings.index, index_metrics)
-    ingestion: KVEventIngestion | None = None
+    ingestion: MemberIngestion | None = None
     scraper: MetricsScraper | None = None
 
     def block_size_hint() -> int | None:
@@ -254,23 +279,24 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                                       lambda: [ReplicaId(st.id) for st in replicas.all()]),
             name="kv-index-gauges",
         ))  # fmt: skip
-        specs = _sources(ctx)
-        if specs:
-            lease = None
-            if isinstance(index.inner, RedisIndex):
-                # Routers sharing a Redis index: one ingests each source (lease), every
-                # router reads the sources' statuses from Redis.
-                lease = LeaseSettings(client=index.inner.client,
-                                      key_prefix=getattr(ctx.settings.index, "key_prefix",
-                                                         "kvroute:"))
-            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer(),
-                                      sizes)
-            ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
-                                         observer=observer)
-            index_metrics.watch_sources(ingestion.statuses, ingestion.health)
-            tasks.append(ctx.tasks.supervise(ingestion.run, name="kv-events"))
-            if ctx.settings.policy == "kv":
-                await _await_live(ingestion, specs, s.startup_sync_s)
+        lease = None
+        if isinstance(index.inner, RedisIndex):
+            # Routers sharing a Redis index: one ingests each source (lease), every
+            # router reads the sources' statuses from Redis.
+            lease = LeaseSettings(client=index.inner.client,
+                                  key_prefix=getattr(ctx.settings.index, "key_prefix",
+                                                     "kvroute:"))
+        observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer(),
+                                  sizes)
+        ingestion = MemberIngestion(index, tasks=ctx.tasks, http=ctx.http, lease=lease,
+                                    observer=observer)
+        index_metrics.watch_sources(ingestion.statuses, ingestion.health)
+        specs = [sp for sp in (_spec(ctx, r) for r in replicas.ids) if sp is not None]
+        for spec in specs:
+            ingestion.add(spec)
+        _follow_membership(ctx, ingestion, index_metrics)
+        if specs and ctx.settings.policy == "kv":
+            await _await_live(ingestion, specs, s.startup_sync_s)
         if s.scrape.enabled:
             scraper = MetricsScraper(
                 ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
@@ -286,6 +312,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if ingestion is not None:
+            await ingestion.aclose()
         try:
             await index.aclose()
         finally:
@@ -294,7 +322,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
 
 
 async def _await_live(
-    ingestion: KVEventIngestion, specs: list[SourceSpec], timeout_s: float
+    ingestion: MemberIngestion, specs: list[SourceSpec], timeout_s: float
 ) -> None:
     """Give the event sources up to ``timeout_s`` to connect and replay before traffic
     starts, so the first requests do not route on an index that is still filling.
@@ -321,7 +349,7 @@ async def _await_live(
 
 
 def _pool_listener(
-    horizon: HorizonEstimator, ingestion: Callable[[], KVEventIngestion | None]
+    horizon: HorizonEstimator, ingestion: Callable[[], MemberIngestion | None]
 ) -> Callable[[ReplicaId, ScrapeSample], None]:
     def on_sample(replica: ReplicaId, sample: ScrapeSample) -> None:
         ing = ingestion()
@@ -400,8 +428,21 @@ def kv_factory(ctx: PolicyContext) -> KvPolicy:
         clock=ctx.clock,
         rng=ctx.rng,
     )
-    ctx.metrics.kv.bind_state(policy)
+    ctx.metrics.kv.bind_state(_MemberRows(policy, replicas))
     return policy
+
+
+class _MemberRows:
+    """The policy's gauge rows, for member replicas only (a replica that left has no
+    series)."""
+
+    def __init__(self, policy: KvPolicy, replicas: ReplicaRegistry) -> None:
+        self._policy = policy
+        self._replicas = replicas
+
+    def gauge_rows(self) -> Iterator[tuple[str, str, float]]:
+        members = self._replicas
+        return (row for row in self._policy.gauge_rows() if row[1] in members)
 
 
 def session_factory(ctx: PolicyContext) -> SessionPolicy:

@@ -116,6 +116,10 @@ class LoadTracker:
             counters = self._counters[replica] = _Counters()
         return Lease(counters, max(0, prompt_tokens))
 
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop a replica that left (leases still open keep their own counters)."""
+        self._counters.pop(replica, None)
+
     def in_flight(self, replica: ReplicaId) -> int:
         """In-flight requests on ``replica`` (cheap; used by ``least_loaded``)."""
         counters = self._counters.get(replica)

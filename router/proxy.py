@@ -180,6 +180,12 @@ class Proxy:
         # the routes, reasons from small per-policy enums.
         self._urls: dict[tuple[ReplicaId, str], URL] = {}
         self._bytes: dict[str, bytes] = {}
+        replicas.on_membership(self._member_changed)
+
+    def _member_changed(self, change: str, replica: ReplicaId) -> None:
+        """A replica id may come back with another URL: drop its cached URLs."""
+        for key in [k for k in self._urls if k[0] == replica]:
+            del self._urls[key]
 
     def _b(self, text: str) -> bytes:
         """``text`` as latin-1 bytes, cached (replica ids and reasons: bounded sets)."""

@@ -12,20 +12,31 @@ nothing, the proxy turns an empty answer into 404 or 503.
 
 In-flight counts live in ``router.load.LoadTracker`` (``ReplicaState.in_flight`` is not
 duplicated here, so there is one counter to keep right).
+
+Membership changes at run time (``router.membership`` decides, the registry applies):
+``add`` makes a replica known but unhealthy until its first successful probe;
+``drain`` takes it out of every candidate set (no new requests) while its in-flight
+requests finish; ``remove`` forgets it.  A removed replica's state stays readable by id
+(``state``, ``__getitem__``) for the few requests that picked it just before, so their
+attempt fails over normally instead of failing on a missing id.  Listeners registered
+with ``on_membership`` hear ``("added" | "removed", replica)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvkeys.types import ReplicaId
 from router.config import ReplicaSettings
 
-__all__ = ["ReplicaRegistry", "ReplicaState"]
+__all__ = ["MemberState", "ReplicaRegistry", "ReplicaState"]
 
 HealthListener = Callable[[ReplicaId, bool], None]
+MembershipListener = Callable[[Literal["added", "removed"], ReplicaId], None]
+MemberState = Literal["healthy", "draining", "unhealthy"]
+_RETIRED_KEPT = 256
 
 
 @dataclass(slots=True)
@@ -46,6 +57,15 @@ class ReplicaState:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     settings: ReplicaSettings | None = field(default=None, repr=False)
+    draining: bool = False
+    """Leaving: no new requests; removed once its in-flight requests are done."""
+
+    @property
+    def member_state(self) -> MemberState:
+        """``draining``, else ``healthy`` or ``unhealthy``."""
+        if self.draining:
+            return "draining"
+        return "healthy" if self.healthy else "unhealthy"
 
     def serves(self, model: str | None) -> bool:
         """Whether this replica can take a request for ``model``."""
@@ -65,18 +85,13 @@ class ReplicaRegistry:
         self._fails_to_down = fails_to_down
         self._successes_to_up = successes_to_up
         self._by_id: dict[ReplicaId, ReplicaState] = {}
+        self._retired: dict[ReplicaId, ReplicaState] = {}
         for rs in replicas:
-            rid = ReplicaId(rs.id)
-            self._by_id[rid] = ReplicaState(
-                id=rid,
-                url=rs.url,
-                models=tuple(rs.models) if rs.models is not None else None,
-                static_models=rs.models is not None,
-                settings=rs,
-            )
+            self._by_id[ReplicaId(rs.id)] = _new_state(rs, healthy=True)
         self._ids = tuple(self._by_id)
         self._healthy: tuple[ReplicaId, ...] = self._ids
         self._listeners: list[HealthListener] = []
+        self._member_listeners: list[MembershipListener] = []
 
     @property
     def ids(self) -> tuple[ReplicaId, ...]:
@@ -84,7 +99,17 @@ class ReplicaRegistry:
         return self._ids
 
     def __getitem__(self, replica: ReplicaId) -> ReplicaState:
-        return self._by_id[replica]
+        state = self._by_id.get(replica)
+        if state is None:
+            return self._retired[replica]
+        return state
+
+    def __contains__(self, replica: object) -> bool:
+        return replica in self._by_id
+
+    def get(self, replica: ReplicaId) -> ReplicaState | None:
+        """The member's state, or ``None`` if it is not (or no longer) a member."""
+        return self._by_id.get(replica)
 
     def __iter__(self) -> Iterable[ReplicaState]:  # type: ignore[override]
         return iter(self._by_id.values())
@@ -96,6 +121,56 @@ class ReplicaRegistry:
     def healthy_ids(self) -> tuple[ReplicaId, ...]:
         """Replicas that may get traffic now (cached tuple, cheap)."""
         return self._healthy
+
+    def on_membership(self, listener: MembershipListener) -> None:
+        """Call ``listener("added" | "removed", replica)`` on every membership change."""
+        self._member_listeners.append(listener)
+
+    def add(self, settings: ReplicaSettings) -> ReplicaState:
+        """Make ``settings`` a member: unhealthy (no traffic) until a probe succeeds.
+
+        Re-adding a draining member cancels its drain (same URL) and returns it; a
+        member under the same id with another URL is a ``ValueError``."""
+        rid = ReplicaId(settings.id)
+        state = self._by_id.get(rid)
+        if state is not None:
+            if state.url != settings.url:
+                raise ValueError(f"replica {rid!r} is already a member with URL {state.url}")
+            if state.draining:
+                state.draining = False
+                self._refresh()
+            return state
+        self._retired.pop(rid, None)
+        state = self._by_id[rid] = _new_state(settings, healthy=False)
+        self._ids = tuple(self._by_id)
+        self._refresh()
+        for listener in self._member_listeners:
+            listener("added", rid)
+        return state
+
+    def drain(self, replica: ReplicaId) -> None:
+        """Stop sending new requests to ``replica`` (it stays a member)."""
+        state = self._by_id[replica]
+        if not state.draining:
+            state.draining = True
+            self._refresh()
+
+    def remove(self, replica: ReplicaId) -> None:
+        """Forget ``replica`` (its state stays readable by id for late attempts)."""
+        state = self._by_id.pop(replica, None)
+        if state is None:
+            return
+        state.draining = True
+        self._retired[replica] = state
+        while len(self._retired) > _RETIRED_KEPT:
+            self._retired.pop(next(iter(self._retired)))
+        self._ids = tuple(self._by_id)
+        self._refresh()
+        for listener in self._member_listeners:
+            listener("removed", replica)
+
+    def _refresh(self) -> None:
+        self._healthy = tuple(r for r, s in self._by_id.items() if s.healthy and not s.draining)
 
     def on_health_change(self, listener: HealthListener) -> None:
         """Call ``listener(replica, healthy)`` on every transition (e.g. to clear an index)."""
@@ -110,13 +185,15 @@ class ReplicaRegistry:
         for state in self._by_id.values():
             if state.serves(model):
                 known = True
-                if state.healthy:
+                if state.healthy and not state.draining:
                     healthy.append(state.id)
         return tuple(healthy), known
 
     def record_probe(self, replica: ReplicaId, ok: bool) -> bool | None:
         """Apply one probe result; returns the new health on a transition, else ``None``."""
-        state = self._by_id[replica]
+        state = self._by_id.get(replica)
+        if state is None:  # removed meanwhile (a late probe or a late failed attempt)
+            return None
         if ok:
             state.consecutive_failures = 0
             state.consecutive_successes += 1
@@ -133,14 +210,16 @@ class ReplicaRegistry:
         if not flip:
             return None
         state.healthy = ok
-        self._healthy = tuple(r for r, s in self._by_id.items() if s.healthy)
+        self._refresh()
         for listener in self._listeners:
             listener(replica, ok)
         return ok
 
     def set_models(self, replica: ReplicaId, cards: Sequence[Mapping[str, Any]]) -> None:
         """Store what ``/v1/models`` returned (configured model lists are kept)."""
-        state = self._by_id[replica]
+        state = self._by_id.get(replica)
+        if state is None:
+            return
         state.model_cards = tuple(cards)
         if not state.static_models:
             state.models = tuple(str(c["id"]) for c in cards if "id" in c)
@@ -149,10 +228,21 @@ class ReplicaRegistry:
         """The union of the healthy replicas' model cards, first replica's card wins."""
         out: dict[str, Mapping[str, Any]] = {}
         for state in self._by_id.values():
-            if not state.healthy:
+            if not state.healthy or state.draining:
                 continue
             for card in state.model_cards:
                 out.setdefault(str(card.get("id")), card)
             for model in state.models or ():
                 out.setdefault(model, {"id": model, "object": "model", "owned_by": "kvroute"})
         return list(out.values())
+
+
+def _new_state(rs: ReplicaSettings, *, healthy: bool) -> ReplicaState:
+    return ReplicaState(
+        id=ReplicaId(rs.id),
+        url=rs.url,
+        healthy=healthy,
+        models=tuple(rs.models) if rs.models is not None else None,
+        static_models=rs.models is not None,
+        settings=rs,
+    )

@@ -59,19 +59,21 @@ class Seen:
 class FakeReplica:
     """Run with ``async with FakeReplica(name) as r:``; ``r.url`` is its base URL."""
 
-    def __init__(self, name: str = "fake", behaviour: Behaviour | None = None) -> None:
+    def __init__(self, name: str = "fake", behaviour: Behaviour | None = None, *,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         self.name = name
+        self.host = host
         self.behaviour = behaviour or Behaviour()
         self.seen: list[Seen] = []
         self.health_hits = 0
         self.probe_authorization: list[str | None] = []
         """``Authorization`` of each ``/health`` and ``/v1/models`` request."""
         self._runner: web.AppRunner | None = None
-        self.port = 0
+        self.port = port
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def completions(self) -> list[Seen]:
         """Recorded completion requests (not health or models probes)."""
@@ -88,7 +90,8 @@ class FakeReplica:
                                       shutdown_timeout=0.1)
         await self._runner.setup()
         sock = socket.socket()
-        sock.bind(("127.0.0.1", self.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         site = web.SockSite(self._runner, sock)
         await site.start()

@@ -1,0 +1,158 @@
+"""``kvroute serve --workers N``: N router processes on one port.
+
+A supervisor (this process) starts N workers (``multiprocessing``, spawn: a fresh
+interpreter each, nothing inherited but the settings) and watches them.  Each worker
+binds the same ``host:port`` with ``SO_REUSEPORT``, so the kernel spreads incoming
+connections over the workers' accept queues (no shared accept, no thundering herd), and
+runs the whole router app with its own event loop; a worker listens only once its app
+has started, so no connection waits on a worker that is still starting.  With
+``port: 0`` the supervisor picks the port and keeps it reserved (bound, not listening)
+while the workers run.
+
+What the workers share, and how:
+
+* **Index.**  ``memory``: each worker ingests every replica's KV events into its own
+  index (a ZMQ PUB serves any number of subscribers; every worker sees every event, so
+  every worker predicts the same cached tokens).  ``redis``: one index; the ingestion
+  lease makes exactly one process ingest each replica, all read the same entries.
+* **Load.**  Each worker counts its own in-flight requests and reads the replicas'
+  ``/metrics`` (queue, running requests) that show everyone's load; the other workers'
+  requests count as foreign load there.
+* **Session affinity.**  The consistent-hash ring is a pure function of the member ids,
+  so every worker pins a session key to the same replica.  Session tables (think time,
+  prefix breaks) are per worker: a conversation's turns may land on different workers,
+  which then learn from the same KV events.
+* **Membership.**  Each worker reads the same sources (static list, file, DNS) and so
+  sees the same fleet.  The admin API is per worker (worker ``i`` listens on
+  ``admin.port + i``): a change made there reaches one worker only, so fleets served by
+  several workers are best changed through the membership file (SIGHUP to the
+  supervisor is forwarded to every worker) or DNS.
+
+Signals: SIGTERM or SIGINT make every worker shut down gracefully (in-flight requests
+get ``timeouts.shutdown_grace_s``), then the supervisor exits 0; a worker still alive
+after that (plus a margin) is killed.  SIGHUP is forwarded.  A worker that dies on its
+own is restarted (at most once a second).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+__all__ = ["reuseport_socket", "run_workers"]
+
+_log = logging.getLogger(__name__)
+_RESTART_EVERY_S = 1.0
+_POLL_S = 0.2
+
+
+def reuseport_socket(host: str, port: int, *, listen: bool = True,
+                     backlog: int = 2048) -> socket.socket:  # fmt: skip
+    """A TCP socket on ``host:port`` with ``SO_REUSEPORT`` and ``TCP_NODELAY`` (see
+    ``router.listen``), listening unless ``listen`` is false (a port reservation)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                               flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+        if listen:
+            sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _worker(data: dict[str, Any], index: int) -> None:
+    """One worker process: the router app on the shared port."""
+    from router.cli import run_server
+    from router.config import RouterSettings
+
+    settings = RouterSettings.model_validate(data)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: "
+                        "%(message)s")  # fmt: skip
+    # Bound, not listening: uvicorn listens once the app has started, so the kernel never
+    # queues a connection on a worker that is still starting (or that fails to start).
+    sock = reuseport_socket(settings.host, settings.port, listen=False)
+    raise SystemExit(run_server(settings, sock, worker=index))
+
+
+def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
+                grace_s: float) -> int:  # fmt: skip
+    """Supervise ``workers`` router processes on ``host:port`` until SIGTERM/SIGINT.
+
+    ``data`` is the validated settings as JSON-ready data (re-validated in each worker)."""
+    reservation = reuseport_socket(host, port, listen=False)
+    port = reservation.getsockname()[1]
+    data = {**data, "port": port}
+    ctx = multiprocessing.get_context("spawn")
+    procs: list[BaseProcess | None] = [None] * workers
+    started: list[float] = [0.0] * workers
+    stopping = False
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=_worker, args=(data, i), name=f"kvroute-worker-{i}")
+        p.start()
+        procs[i] = p
+        started[i] = time.monotonic()
+
+    def on_stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    def on_hup(signum: int, frame: FrameType | None) -> None:
+        _signal_all(procs, signal.SIGHUP)
+
+    previous = {s: signal.signal(s, on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hup)
+    _log.info("kvroute: %d workers on %s:%d (SO_REUSEPORT)", workers, host, port)
+    try:
+        for i in range(workers):
+            start(i)
+        while not stopping:
+            time.sleep(_POLL_S)
+            for i, p in enumerate(procs):
+                if stopping or p is None or p.is_alive():
+                    continue
+                _log.error("worker %d exited (code %s); restarting it", i, p.exitcode)
+                if time.monotonic() - started[i] < _RESTART_EVERY_S:
+                    time.sleep(_RESTART_EVERY_S)
+                start(i)
+        _signal_all(procs, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + 5.0
+        for p in procs:
+            if p is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        clean = True
+        for p in procs:
+            if p is not None and p.is_alive():
+                _log.error("worker %s did not stop in time; killing it", p.name)
+                p.kill()
+                p.join()
+                clean = False
+        return 0 if clean else 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        reservation.close()
+
+
+def _signal_all(procs: list[BaseProcess | None], signum: int) -> None:
+    for p in procs:
+        if p is not None and p.is_alive() and p.pid is not None:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass

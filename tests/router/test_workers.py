@@ -1,0 +1,196 @@
+"""``kvroute serve --workers 2``: two router processes on one port (SO_REUSEPORT) in front
+of simulated replicas; both serve, the kv policy's predictions stay exact whichever
+worker routes a turn, and SIGTERM shuts everything down cleanly (streams finish)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from replica.vllm.tiny_tokenizer import build_tokenizer
+from tests.router.fake_replica import Behaviour, FakeReplica
+from tests.router.helpers import chat, scrape
+from tests.router.server import free_port
+from tests.router.test_kv_integration import MODEL, Conversation, Fleet, Turn, send
+from tests.router.test_membership_kv import sim
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[AsyncExitStack]:
+    async with AsyncExitStack() as s:
+        yield s
+
+
+@contextmanager
+def serve_workers(config: dict[str, Any], tmp_path: Path, port: int,
+                  n: int = 2) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    kvroute = os.path.join(os.path.dirname(sys.executable), "kvroute")
+    proc = subprocess.Popen(
+        [kvroute, "serve", "--config", str(path), "--port", str(port), "--workers", str(n),
+         "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+async def ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes],
+                admins: list[str]) -> None:  # fmt: skip
+    deadline = time.monotonic() + 30
+    pending = [url, *admins]
+    while pending:
+        assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode()
+        try:
+            path = "/ready" if pending[0] == url else "/admin/replicas"
+            async with http.get(pending[0] + path) as resp:
+                if resp.status == 200:
+                    pending.pop(0)
+                    continue
+        except aiohttp.ClientError:
+            pass
+        assert time.monotonic() < deadline, "kvroute serve --workers did not become ready"
+        await asyncio.sleep(0.1)
+
+
+async def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    t0 = time.monotonic()
+    while proc.poll() is None:
+        assert time.monotonic() - t0 < timeout, "the supervisor did not exit"
+        await asyncio.sleep(0.05)
+    return proc.returncode
+
+
+async def requests_served(http: aiohttp.ClientSession, admin: str) -> float:
+    m = await scrape(http, admin)
+    return sum(v for (name, _), v in m.items() if name == "router_requests_total")
+
+
+def children(pid: int) -> list[int]:
+    """The worker processes of supervisor ``pid`` (not multiprocessing's helpers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+    out = []
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(kid)
+        except OSError:
+            continue
+    return out
+
+
+async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    tok = build_tokenizer(tmp_path / "tok", template="llama3")
+    sims = [await stack.enter_async_context(sim(tok, i)) for i in range(3)]
+    port, admin_port = free_port(), free_port()
+    config = {
+        "replicas": [{"url": s.url, "id": f"r{i}"} for i, s in enumerate(sims)],
+        "policy": "kv",
+        "health": {"interval_s": 0.2},
+        "admin": {"enabled": True, "port": admin_port},
+        "scoring": {"models": [{"name": MODEL, "block_size": 16, "tokenizer": str(tok)}],
+                    "scrape": {"interval_s": 0.2}},
+    }
+    url = f"http://127.0.0.1:{port}"
+    admins = [f"http://127.0.0.1:{admin_port + i}" for i in range(2)]
+    # a connection per request: the kernel spreads them over both workers
+    http = await stack.enter_async_context(aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True),
+        timeout=aiohttp.ClientTimeout(total=30)))
+    with serve_workers(config, tmp_path, port) as proc:
+        await ready(http, url, proc, admins)
+        assert len(children(proc.pid)) == 2
+        f = Fleet([], url, http, CollectorRegistry(), None)  # type: ignore[arg-type]
+        await asyncio.sleep(1.0)  # both workers' event streams connected and replayed
+        convs = [Conversation(system=f"Worker test {i}. " * 20, session=f"w{i}")
+                 for i in range(6)]
+        turns: list[Turn] = []
+
+        async def talk(c: Conversation) -> None:
+            for t in range(5):
+                turns.append(await send(f, c, f"question {t} " + "explain " * 6,
+                                        stream=t % 2 == 1, ask_usage=True))
+                await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(talk(c) for c in convs))
+        served = [await requests_served(http, a) for a in admins]
+        assert all(n > 0 for n in served) and sum(served) == 30, served
+        later = [c.turns[i] for c in convs for i in range(1, 5)]
+        # whichever worker routes a turn, it predicts what the replica then reports
+        assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later), [
+            [(t.replica, t.predicted, t.cached) for t in c.turns] for c in convs]
+        stayed = [c.turns[i].replica == c.turns[i - 1].replica for c in convs
+                  for i in range(1, 5)]
+        assert sum(stayed) >= 0.9 * len(stayed), [
+            [(t.replica, t.reason) for t in c.turns] for c in convs]
+
+        kids = children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert await wait_exit(proc, 20) == 0
+        assert not any(os.path.exists(f"/proc/{k}") and _alive(k) for k in kids)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(url + "/health")
+
+
+async def test_sigterm_lets_in_flight_streams_finish_on_every_worker(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    fake = await stack.enter_async_context(
+        FakeReplica("r0", Behaviour(chunks=10, chunk_delay_s=0.1)))
+    port = free_port()
+    config = {"replicas": [{"url": fake.url, "id": "r0"}], "policy": "round_robin",
+              "health": {"interval_s": 0.2}, "timeouts": {"shutdown_grace_s": 10}}
+    url = f"http://127.0.0.1:{port}"
+    http = await stack.enter_async_context(aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True)))
+    with serve_workers(config, tmp_path, port) as proc:
+        await ready(http, url, proc, [])
+
+        async def stream() -> bytes:
+            async with http.post(url + "/v1/chat/completions", json=chat(stream=True)) as r:
+                assert r.status == 200
+                return await r.read()
+
+        streams = [asyncio.create_task(stream()) for _ in range(6)]
+        await asyncio.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        bodies = await asyncio.gather(*streams)
+        assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"data: ") == 12
+                   for b in bodies)
+        assert await wait_exit(proc, 15) == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
