@@ -39,20 +39,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from aio.task_owner import TaskOwner
+from router.builtin_plugins import builtin_policy_factories, builtin_services
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, to_response
 from router.health import HealthProber
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
-from router.plugins import (
-    PolicyContext,
-    PolicyFactory,
-    PolicyRegistry,
-    Service,
-    builtin_policy_factories,
-    builtin_services,
-)
+from router.plugins import PolicyContext, PolicyFactory, PolicyRegistry, Service
 from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
 from router.replica_registry import ReplicaRegistry

@@ -32,9 +32,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from aio.cancel import cancel_and_wait
 from index.event_applier import BatchResult
-from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
-from index.redis_store import RedisIndex
+from index.ingestion import KVEventIngestion, SourceSpec
 from index.status import SourceStatus
 from index.store import KVIndex
 from kvkeys.types import ReplicaId
@@ -44,9 +44,8 @@ from prompt.registry import ModelSpec, RendererRegistry
 from prompt.remote_render import RemoteRenderer
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
-from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
 from router.kv_policy import KvConfig, KvPolicy
-from router.kv_stack import check_index, instrumented_index
+from router.kv_stack import KvStack, open_kv_stack, source_specs
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.scoring import CostModel, ScoringWeights
@@ -164,79 +163,41 @@ def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
     ]
 
 
-def _sources(ctx: PolicyContext) -> list[SourceSpec]:
-    settings = ctx.settings
-    default_model = settings.scoring.models[0].name if settings.scoring.models else None
-    specs = []
-    for r in settings.replicas:
-        if r.kv_events_endpoint is None and not settings.scoring.discover_kv_events:
-            continue
-        # The key root: configured, else what the health prober read from /v1/models
-        # (discovery asks the replica itself when neither is known).
-        discovered = ctx.replicas[ReplicaId(r.id)].models
-        model = (r.models[0] if r.models else default_model
-                 or (discovered[0] if discovered else None))
-        if r.kv_events_endpoint is not None and model is None:
-            _log.warning("replica %s: no model known for its KV events; not ingested", r.id)
-            continue
-        specs.append(SourceSpec(
-            replica=ReplicaId(r.id), model=model, url=r.url,
-            endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint,
-        ))
-    return specs
-
-
 @asynccontextmanager
 async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
-    """Build renderers, index, ingestion and scraper (see the module docstring)."""
+    """Build renderers, the KV stack and the scraper (see the module docstring)."""
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
     registry = RendererRegistry(_model_specs(s), remote=remote)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
-    index_metrics = IndexMetrics(ctx.metrics.registry)
-    index = instrumented_index(ctx.settings.index, index_metrics)
-    ingestion: KVEventIngestion | None = None
+    replicas = ctx.replicas
+    opened: KvStack | None = None
     scraper: MetricsScraper | None = None
 
     def block_size_hint() -> int | None:
         """The block size the replicas report (scrape first, then KV events)."""
         now = ctx.clock()
-        for state in ctx.replicas.all():
+        for state in replicas.all():
             sample = scraper.latest(state.id, now) if scraper is not None else None
             if sample is not None and sample.block_size:
                 return sample.block_size
-            status = ingestion.status(state.id) if ingestion is not None else None
+            status = opened.status(state.id) if opened is not None else None
             if status is not None and status.block_size:
                 return status.block_size
         return None
 
     prompts = RegistryPrompts(registry, remote=s.remote_render,
                               block_size_hint=block_size_hint if s.auto_models else None)
-    tasks: list[asyncio.Task[Any]] = []
-    try:
-        await check_index(index)
-        replicas = ctx.replicas
-        tasks.append(ctx.tasks.spawn(
-            keep_block_gauges(index, index_metrics,
-                              lambda: [ReplicaId(st.id) for st in replicas.all()]),
-            name="kv-index-gauges",
-        ))  # fmt: skip
-        specs = _sources(ctx)
-        if specs:
-            lease = None
-            if isinstance(index.inner, RedisIndex):
-                # Routers sharing a Redis index: one ingests each source (lease), every
-                # router reads the sources' statuses from Redis.
-                lease = LeaseSettings(client=index.inner.client,
-                                      key_prefix=getattr(ctx.settings.index, "key_prefix",
-                                                         "kvroute:"))
-            observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer())
-            ingestion = KVEventIngestion(index, specs, http=ctx.http, lease=lease,
-                                         observer=observer)
-            index_metrics.watch_sources(ingestion.statuses)
-            tasks.append(ctx.tasks.spawn(ingestion.run(), name="kv-events"))
-            if ctx.settings.policy == "kv":
-                await _await_live(ingestion, specs, s.startup_sync_s)
+    specs = source_specs(ctx.settings, lambda r: replicas[r].models)
+    async with open_kv_stack(
+        ctx.settings, ctx.metrics.registry, http=ctx.http, specs=specs,
+        observer=_HorizonObserver(horizon, ctx),
+        gauge_replicas=lambda: [ReplicaId(st.id) for st in replicas.all()],
+    ) as stack:  # fmt: skip
+        opened, ingestion = stack, stack.ingestion
+        if ingestion is not None and ctx.settings.policy == "kv":
+            await _await_live(ingestion, stack.specs, s.startup_sync_s)
+        task: asyncio.Task[Any] | None = None
         if s.scrape.enabled:
             scraper = MetricsScraper(
                 ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
@@ -244,18 +205,13 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 stale_after_s=s.scrape.stale_after_s,
             )
             scraper.add_listener(_pool_listener(horizon, lambda: ingestion))
-            tasks.append(ctx.tasks.spawn(scraper.run(), name="kv-scrape"))
-        yield KvServices(prompts, index, horizon, scraper, ingestion)
-    finally:
-        # Stop the tasks that use the index before closing it (the app's TaskOwner
-        # would only cancel them after every service has exited).
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            task = ctx.tasks.spawn(scraper.run(), name="kv-scrape")
         try:
-            await index.aclose()
+            yield KvServices(prompts, stack.index, horizon, scraper, ingestion)
         finally:
-            index_metrics.close()
+            # Stop the scraper with the stack, not after every service has exited.
+            if task is not None:
+                await cancel_and_wait(task)
 
 
 async def _await_live(
@@ -301,7 +257,7 @@ def _pool_listener(
 
 
 def kv_service() -> Service:
-    """The ``kv`` service for ``router.plugins.builtin_services``."""
+    """The ``kv`` service for ``router.builtin_plugins.builtin_services``."""
     return Service("kv", start_kv)
 
 
