@@ -16,13 +16,9 @@ from aio.backoff import Backoff
 from index.event_applier import BatchResult
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from index.memory import InMemoryIndex
+from index.source_runner import EventSource, SubscriberSettings, fetch_replay
 from index.store import IndexOp, IndexUnavailable
-from index.subscriber import (
-    ConnectSubscriber,
-    EventSource,
-    SubscriberSettings,
-    fetch_replay,
-)
+from index.subscriber import ConnectSubscriber
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId
 from replica.sim.kv_publisher import KVEventPublisher
