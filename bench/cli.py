@@ -355,14 +355,8 @@ def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _check_prompts(args: argparse.Namespace) -> int:
-    from bench.check_prompts import (
-        Checker,
-        format_table,
-        http_tokenizer,
-        load_transcripts,
-        local_tokenizer,
-        to_json,
-    )
+    from bench.chat_tokenizers import http_tokenizer, local_tokenizer
+    from bench.check_prompts import Checker, format_table, load_transcripts, to_json
 
     tok = (http_tokenizer(args.url, args.model) if args.url
            else local_tokenizer(args.tokenizer))
