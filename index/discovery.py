@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from index.source_runner import EventSource
+from index.subscriber import EventSource
 from kvkeys.types import ReplicaId, replica_id_for_rank
 
 __all__ = [

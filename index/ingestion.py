@@ -25,7 +25,7 @@ published for the sources this process does not ingest.
 A source whose stream stays lost for ``SubscriberSettings.disconnect_grace_s`` (a dead
 engine) is cleared from the index by the process that ingests it (the lease holder),
 turns ``disconnected`` and is rebuilt from sequence 0 when it comes back; standby
-processes never clear (see ``index.source_runner`` for what bind mode detects).
+processes never clear (see ``index.subscriber`` for what bind mode detects).
 """
 
 from __future__ import annotations
@@ -49,10 +49,15 @@ from aio.backoff import Backoff
 from aio.cancel import reraise_if_cancelling
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
-from index.source_runner import EventSource, IngestObserver, SubscriberSettings
 from index.status import SourceStatus, status_from_json, status_to_json
 from index.store import KVIndex
-from index.subscriber import BindSubscriber, ConnectSubscriber
+from index.subscriber import (
+    BindSubscriber,
+    ConnectSubscriber,
+    EventSource,
+    IngestObserver,
+    SubscriberSettings,
+)
 from kvkeys.types import ReplicaId
 
 __all__ = ["BindSpec", "KVEventIngestion", "LeaseSettings", "SourceSpec"]

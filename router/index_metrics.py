@@ -2,7 +2,7 @@
 
 * ``InstrumentedIndex(inner, metrics)`` is a ``KVIndex`` that times every lookup and
   write and counts ``IndexUnavailable`` (then re-raises it: the caller falls back).
-* ``IndexMetrics.observer()`` is the ``index.source_runner.IngestObserver`` handed to
+* ``IndexMetrics.observer()`` is the ``index.subscriber.IngestObserver`` handed to
   ``KVEventIngestion``: events applied by type, blocks, gaps, drops, resyncs.
 * ``IndexMetrics.watch_sources(statuses)`` exports each source's ``SourceStatus`` at
   scrape time (receive lag, last sequence, connected), and ``set_blocks`` the per-replica
@@ -45,7 +45,7 @@ from index.store import IndexOp, IndexUnavailable, KVIndex
 from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 if TYPE_CHECKING:
-    from index.source_runner import IngestObserver
+    from index.subscriber import IngestObserver
 
 __all__ = [
     "FanOutObserver",

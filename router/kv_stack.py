@@ -25,9 +25,9 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from index.ingestion import KVEventIngestion, SourceSpec
-    from index.source_runner import IngestObserver
     from index.status import SourceStatus
     from index.store import KVIndex
+    from index.subscriber import IngestObserver
     from kvkeys.types import ReplicaId
     from router.config import IndexSettings, RouterSettings
     from router.index_metrics import IndexMetrics, InstrumentedIndex

@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["aio", "kvkeys", "prompt", "index", "router", "replica", "bench", "kvroute"]
 MAX_LINES = 500
 OVER_LIMIT_ALLOWED = {
-    # Issue 16 part 3 decomposes the KV policy; until then it is the one exception.
+    # Issue 16 part 3 decomposes the KV policy; until then it is an exception.
     "router/kv_policy.py",
+    # Split into the socket side and each source's sequence rules by a change in flight
+    # (issue 16); drop this entry when it lands.
+    "index/subscriber.py",
 }
 
 

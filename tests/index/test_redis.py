@@ -20,9 +20,8 @@ from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
 from index.lease import RedisLease, run_with_lease
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
-from index.source_runner import EventSource, SubscriberSettings
 from index.store import IndexUnavailable
-from index.subscriber import ConnectSubscriber
+from index.subscriber import ConnectSubscriber, EventSource, SubscriberSettings
 from kvkeys.keys import block_keys
 from kvkeys.types import EngineKey, Medium, ReplicaHit, ReplicaId, RequestKey
 from replica.sim.kv_publisher import KVEventPublisher

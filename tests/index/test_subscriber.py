@@ -16,9 +16,13 @@ from aio.backoff import Backoff
 from index.event_applier import BatchResult
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from index.memory import InMemoryIndex
-from index.source_runner import EventSource, SubscriberSettings, fetch_replay
 from index.store import IndexOp, IndexUnavailable
-from index.subscriber import ConnectSubscriber
+from index.subscriber import (
+    ConnectSubscriber,
+    EventSource,
+    SubscriberSettings,
+    fetch_replay,
+)
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId
 from replica.sim.kv_publisher import KVEventPublisher

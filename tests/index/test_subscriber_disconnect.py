@@ -15,8 +15,7 @@ import zmq.asyncio
 from index.event_applier import BatchResult
 from index.events import BlockStored
 from index.memory import InMemoryIndex
-from index.source_runner import EventSource, SubscriberSettings
-from index.subscriber import BindSubscriber, ConnectSubscriber
+from index.subscriber import BindSubscriber, ConnectSubscriber, EventSource, SubscriberSettings
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId
 from replica.sim.kv_publisher import KVEventPublisher
@@ -216,7 +215,7 @@ async def test_a_blip_shorter_than_the_grace_clears_nothing() -> None:
 
 
 async def test_bind_mode_clears_its_sources_once_no_engine_is_connected() -> None:
-    # Bind mode sees only the bound SUB's peers as a whole (see ``index.source_runner``).
+    # Bind mode sees only the bound SUB's peers as a whole (see ``index.subscriber``).
     grace = 0.5
     ctx = zmq.asyncio.Context()
     index = InMemoryIndex()

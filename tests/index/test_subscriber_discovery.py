@@ -23,8 +23,7 @@ from index.discovery import (
 from index.events import BlockStored
 from index.ingestion import KVEventIngestion, SourceSpec
 from index.memory import InMemoryIndex
-from index.source_runner import EventSource, SubscriberSettings
-from index.subscriber import BindSubscriber
+from index.subscriber import BindSubscriber, EventSource, SubscriberSettings
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId, replica_id_for_rank
 from replica.sim.kv_publisher import KVEventPublisher
