@@ -383,13 +383,12 @@ def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _check_prompts(args: argparse.Namespace) -> int:
+    from bench.chat_tokenizers import http_tokenizer, local_tokenizer
     from bench.check_prompts import (
         Checker,
         TranscriptError,
         format_table,
-        http_tokenizer,
         load_transcripts,
-        local_tokenizer,
         to_json,
     )
 

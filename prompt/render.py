@@ -61,6 +61,14 @@ from prompt.chat_messages import Message, build_conversation, convert_developer_
 from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
 from prompt.keyer import KeyResume, KeyTrail
 from prompt.message_loop import LoopFallback, LoopRecord, message_loops
+from prompt.request_fields import (
+    completion_items,
+    dump_tools,
+    flag,
+    merge_kwargs,
+    truncate_prompt_tokens,
+    truncation_side,
+)
 from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, TextSplit
 from prompt.template_env import compile_template, detect_content_format, template_variables
 from prompt.tokenizer import TokenizerFiles
@@ -140,55 +148,6 @@ class ChatText:
     """The remembered turn this one extends."""
 
 
-def merge_kwargs(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's ``merge_kwargs``: overrides win unless they are ``None`` or ``"auto"``."""
-    merged = dict(defaults)
-    for key, value in overrides.items():
-        if not _is_unset(value):
-            merged[key] = value
-    return merged
-
-
-def _is_unset(value: object) -> bool:
-    return value is None or (isinstance(value, str) and value == "auto")
-
-
-def dump_tools(tools: object) -> list[dict[str, Any]] | None:
-    """Tools as vLLM's ``ChatCompletionToolsParam.model_dump()`` hands them to templates."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidPrompt("'tools' must be a list", param="tools")
-    out: list[dict[str, Any]] = []
-    for tool in tools:
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise InvalidPrompt("each tool must be a function tool", param="tools")
-        fn = tool.get("function")
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise InvalidPrompt("each tool needs function.name", param="tools")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise InvalidPrompt("function.parameters must be an object", param="tools")
-        defer = tool.get("defer_loading")
-        fn_defer = fn.get("defer_loading")
-        if fn_defer is None and defer is not None:
-            fn_defer = defer
-        dumped_fn: dict[str, Any] = {
-            "name": fn["name"],
-            "description": fn.get("description"),
-            "parameters": copy.deepcopy(params),
-        }
-        if fn.get("strict") is not None:
-            dumped_fn["strict"] = fn["strict"]
-        if fn_defer is not None:
-            dumped_fn["defer_loading"] = fn_defer
-        dumped: dict[str, Any] = {"type": "function", "function": dumped_fn}
-        if defer is not None:
-            dumped["defer_loading"] = defer
-        out.append(dumped)
-    return out
-
-
 class ModelRenderer:
     """Renders and tokenises requests for one tokenizer, as the engine does."""
 
@@ -210,8 +169,8 @@ class ModelRenderer:
     def chat_text(self, body: Mapping[str, Any]) -> ChatText:
         """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text."""
         opts = self.options
-        add_generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final = _flag(body, "continue_final_message", False)
+        add_generation_prompt = flag(body, "add_generation_prompt", True)
+        continue_final = flag(body, "continue_final_message", False)
         if add_generation_prompt and continue_final:
             raise InvalidPrompt(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -251,9 +210,9 @@ class ModelRenderer:
         text, turn, base = self._apply(body.get("messages"), kwargs)
         return ChatText(
             text=text,
-            add_special_tokens=_flag(body, "add_special_tokens", False),
-            truncate_prompt_tokens=_truncation(body),
-            truncation_side=_side(body),
+            add_special_tokens=flag(body, "add_special_tokens", False),
+            truncate_prompt_tokens=truncate_prompt_tokens(body),
+            truncation_side=truncation_side(body),
             turn=turn,
             base=base,
         )
@@ -401,10 +360,10 @@ class ModelRenderer:
         if body.get("suffix") is not None:
             raise RenderUnsupported("suffix (fill-in-the-middle) is rendered by the engine")
         prompt = body.get("prompt")
-        add_special = _flag(body, "add_special_tokens", True)
-        limit, side = _truncation(body), _side(body)
+        add_special = flag(body, "add_special_tokens", True)
+        limit, side = truncate_prompt_tokens(body), truncation_side(body)
         out: list[Tokenized] = []
-        for item in _completion_items(prompt):
+        for item in completion_items(prompt):
             if isinstance(item, str):
                 out.append(self._tokenize(item, add_special, limit, side))
             else:
@@ -511,59 +470,6 @@ def _cut_after_final(text: str, final: str) -> str:
     return text[:at].rstrip()
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidPrompt(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _truncation(body: Mapping[str, Any]) -> int | None:
-    value = body.get("truncate_prompt_tokens")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise InvalidPrompt(
-            "truncate_prompt_tokens must be an integer >= -1", param="truncate_prompt_tokens"
-        )
-    return value
-
-
-def _side(body: Mapping[str, Any]) -> Literal["left", "right"] | None:
-    value = body.get("truncation_side")
-    if value is None:
-        return None
-    if value not in ("left", "right"):
-        raise InvalidPrompt(
-            "`truncation_side` must be either 'left' or 'right'.", param="truncation_side"
-        )
-    return "left" if value == "left" else "right"
-
-
-def _completion_items(prompt: object) -> list[str | Sequence[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        if all(_is_token(p) for p in prompt):
-            return [prompt]
-        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-            return list(prompt)
-    if prompt is None or prompt == []:
-        raise InvalidPrompt("Either prompt or prompt_embeds must be provided.", param="prompt")
-    raise InvalidPrompt(
-        "prompt must be a string, a list of strings, a list of token ids or a list of lists",
-        param="prompt",
-    )
-
-
-def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _index_of(haystack: list[int], needle: list[int]) -> int:
     n = len(needle)
     for i in range(len(haystack) - n + 1):
@@ -578,6 +484,4 @@ __all__ = [
     "ModelRenderer",
     "RenderOptions",
     "Tokenized",
-    "dump_tools",
-    "merge_kwargs",
 ]

@@ -47,6 +47,7 @@ from starlette.routing import Route
 
 from aio.task_owner import TaskOwner
 from router.admin_server import serve_admin
+from router.builtin_plugins import builtin_policy_factories, builtin_services
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, to_response
@@ -55,14 +56,7 @@ from router.load import LoadTracker
 from router.membership import Membership
 from router.membership_sources import Resolver, run_membership
 from router.metrics import RouterMetrics
-from router.plugins import (
-    PolicyContext,
-    PolicyFactory,
-    PolicyRegistry,
-    Service,
-    builtin_policy_factories,
-    builtin_services,
-)
+from router.plugins import PolicyContext, PolicyFactory, PolicyRegistry, Service
 from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
 from router.readiness import TaskCollector, readiness

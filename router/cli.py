@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from router import kv_stack
+from router import indexer_cli
 
 if TYPE_CHECKING:
     import uvicorn
@@ -39,7 +39,7 @@ _GC_YOUNG = 20_000
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_serve(sub)
-    kv_stack.register(sub)
+    indexer_cli.register(sub)
 
 
 def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:

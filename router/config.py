@@ -37,6 +37,7 @@ from pydantic_settings import (
 )
 
 from router.config_membership import AdminSettings, DnsSourceSettings, MembershipSettings
+from router.scoring import CostModel, ScoringWeights
 
 __all__ = [
     "AccessMode",
@@ -235,17 +236,25 @@ class ScrapeSettings(_Section):
     """A sample older than this is unknown (three missed rounds)."""
 
 
-class ScoringSettings(_Section):
-    """Knobs of the ``kv`` policy (formula in ``router.scoring``; defaults sized there)."""
+_WEIGHTS = ScoringWeights()
+_COSTS = CostModel()
 
-    alpha: float = Field(default=1.0, ge=0)
+
+class ScoringSettings(_Section):
+    """Knobs of the ``kv`` policy (formula in ``router.scoring``).
+
+    The score's weights and costs take their defaults from ``ScoringWeights`` and
+    ``CostModel``, where they are sized; the policy gets them through ``kv_config``
+    (``router.kv_services``), which copies every field by name."""
+
+    alpha: float = Field(default=_WEIGHTS.alpha, ge=0)
     """Weight of the prefill tokens the replica would compute for the request."""
-    beta: float = Field(default=1.0, ge=0)
+    beta: float = Field(default=_WEIGHTS.beta, ge=0)
     """Weight of the prefill tokens already queued there (same unit: equal by default,
     so the score is the prefill ahead of the first token)."""
-    gamma: float = Field(default=32.0, ge=0)
+    gamma: float = Field(default=_WEIGHTS.gamma, ge=0)
     """Prefill tokens one decoding sequence is worth (it shares every batch step)."""
-    delta: float = Field(default=512.0, ge=0)
+    delta: float = Field(default=_WEIGHTS.delta, ge=0)
     """Prefill tokens one recent new conversation on a replica is worth, for placing new
     conversations: sticky sessions are future load the queue does not show under paced
     traffic, so a prefix one replica holds is replicated once the imbalance exceeds
@@ -258,28 +267,28 @@ class ScoringSettings(_Section):
     temperature: float = Field(default=0.0, ge=0)
     """Softmax temperature in tokens for sampling among replicas; 0 = best score, ties
     by the request's affinity ring order."""
-    kv_bytes_per_token: float = Field(default=131072.0, gt=0)
+    kv_bytes_per_token: float = Field(default=_COSTS.kv_bytes_per_token, gt=0)
     """KV cache bytes per token (layers x KV heads x head dim x 2 x dtype bytes);
     128 KiB is Llama-3-8B in bf16."""
-    prefill_tokens_per_s: float = Field(default=20000.0, gt=0)
+    prefill_tokens_per_s: float = Field(default=_COSTS.prefill_tokens_per_s, gt=0)
     """A replica's prefill rate; sets the queue wait and the value of offloaded blocks."""
-    cpu_bandwidth_bytes_per_s: float = Field(default=25e9, ge=0)
+    cpu_bandwidth_bytes_per_s: float = Field(default=_COSTS.cpu_bandwidth_bytes_per_s, ge=0)
     """Host-to-device bandwidth for reloading CPU-offloaded blocks (PCIe Gen4 ~25 GB/s)."""
-    storage_bandwidth_bytes_per_s: float = Field(default=3e9, ge=0)
+    storage_bandwidth_bytes_per_s: float = Field(default=_COSTS.storage_bandwidth_bytes_per_s, ge=0)
     """Bandwidth for reloading blocks from storage (NVMe ~3 GB/s)."""
-    horizon_spread: float = Field(default=0.5, ge=0, le=1)
+    horizon_spread: float = Field(default=_WEIGHTS.horizon_spread, ge=0, le=1)
     """Relative uncertainty of the eviction horizon."""
     horizon_tau_s: float = Field(default=30.0, gt=0)
     """Time constant of the block allocation rate average."""
-    disconnected_trust: float = Field(default=0.5, ge=0, le=1)
+    disconnected_trust: float = Field(default=_WEIGHTS.disconnected_trust, ge=0, le=1)
     """Index trust for a replica whose event stream is disconnected."""
-    gap_trust: float = Field(default=0.5, ge=0, le=1)
+    gap_trust: float = Field(default=_WEIGHTS.gap_trust, ge=0, le=1)
     """Index trust right after missed events (recovers over ``gap_window_s``)."""
-    gap_window_s: float = Field(default=30.0, ge=0)
+    gap_window_s: float = Field(default=_WEIGHTS.gap_window_s, ge=0)
     """Recovery window after a gap."""
-    reset_trust: float = Field(default=0.5, ge=0, le=1)
+    reset_trust: float = Field(default=_WEIGHTS.reset_trust, ge=0, le=1)
     """Index trust right after a reset or restart (recovers over ``reset_window_s``)."""
-    reset_window_s: float = Field(default=10.0, ge=0)
+    reset_window_s: float = Field(default=_WEIGHTS.reset_window_s, ge=0)
     """Recovery window after a reset."""
     foreign_prefill_tokens_per_request: float = Field(default=512.0, ge=0)
     """Prefill tokens assumed per scraped waiting request that is not ours."""

@@ -26,11 +26,12 @@ for itself (a malformed request is the replica's 400 to give, not the router's).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from index.event_applier import BatchResult
 from index.ingestion import LeaseSettings, SourceSpec
@@ -61,6 +62,7 @@ from router.session_policy import SessionPolicy
 __all__ = [
     "KvServices",
     "RegistryPrompts",
+    "copy_fields",
     "kv_config",
     "kv_factory",
     "kv_service",
@@ -177,15 +179,7 @@ class _HorizonObserver:
 
 
 def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
-    return [
-        ModelSpec(
-            name=m.name, block_size=m.block_size, tokenizer=m.tokenizer,
-            chat_template=m.chat_template, content_format=m.content_format,
-            default_chat_template_kwargs=dict(m.default_chat_template_kwargs),
-            max_model_len=m.max_model_len, loras=tuple(m.loras),
-        )
-        for m in s.models
-    ]
+    return [copy_fields(ModelSpec, m.model_dump(), loras=tuple(m.loras)) for m in s.models]
 
 
 def _spec(ctx: PolicyContext, replica: ReplicaId) -> SourceSpec | None:
@@ -234,7 +228,7 @@ def _follow_membership(ctx: PolicyContext, ingestion: MemberIngestion,
 
 @asynccontextmanager
 async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
-    """Build renderers, index, ingestion and scraper (see the module docstring)."""
+    """Build renderers, the KV stack and the scraper (see the module docstring)."""
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
     registry = RendererRegistry(_model_specs(s), remote=remote)
@@ -248,7 +242,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     def block_size_hint() -> int | None:
         """The block size the replicas report (scrape first, then KV events)."""
         now = ctx.clock()
-        for state in ctx.replicas.all():
+        for state in replicas.all():
             sample = scraper.latest(state.id, now) if scraper is not None else None
             if sample is not None and sample.block_size:
                 return sample.block_size
@@ -364,36 +358,31 @@ def _pool_listener(
 
 
 def kv_service() -> Service:
-    """The ``kv`` service for ``router.plugins.builtin_services``."""
+    """The ``kv`` service for ``router.builtin_plugins.builtin_services``."""
     return Service("kv", start_kv)
 
 
 def kv_config(s: ScoringSettings) -> KvConfig:
-    """The policy's copy of the scoring settings."""
-    return KvConfig(
-        weights=ScoringWeights(
-            alpha=s.alpha, beta=s.beta, gamma=s.gamma, delta=s.delta,
-            horizon_spread=s.horizon_spread,
-            disconnected_trust=s.disconnected_trust, gap_trust=s.gap_trust,
-            gap_window_s=s.gap_window_s, reset_trust=s.reset_trust,
-            reset_window_s=s.reset_window_s,
-        ),
-        costs=CostModel(
-            kv_bytes_per_token=s.kv_bytes_per_token, prefill_tokens_per_s=s.prefill_tokens_per_s,
-            cpu_bandwidth_bytes_per_s=s.cpu_bandwidth_bytes_per_s,
-            storage_bandwidth_bytes_per_s=s.storage_bandwidth_bytes_per_s,
-        ),
-        min_hit_tokens=s.min_hit_tokens,
-        temperature=s.temperature,
-        foreign_prefill_tokens_per_request=s.foreign_prefill_tokens_per_request,
-        balance_abs_tokens=s.balance_abs_tokens,
-        balance_rel=s.balance_rel,
-        placement_tau_s=s.placement_tau_s,
-        affinity_prefix_blocks=s.affinity_prefix_blocks,
-        detect_prefix_breaks=s.detect_prefix_breaks,
-        receipt_large_abs_tokens=s.receipt_large_abs_tokens,
-        receipt_large_rel=s.receipt_large_rel,
-    )
+    """The policy's numbers: every field of ``KvConfig``, ``ScoringWeights`` and
+    ``CostModel`` is the same-named scoring setting (declared once, copied by name)."""
+    return copy_fields(KvConfig, s, weights=copy_fields(ScoringWeights, s),
+                       costs=copy_fields(CostModel, s))  # fmt: skip
+
+
+T = TypeVar("T")
+
+
+def copy_fields(cls: type[T], source: object, **given: Any) -> T:
+    """A ``cls`` (a dataclass) whose fields not in ``given`` come from ``source`` by name.
+
+    From an object every field must exist (``AttributeError``: a knob the settings lack is
+    never silently defaulted); from a mapping, fields it lacks keep ``cls``'s defaults."""
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in given]  # type: ignore[arg-type]
+    if isinstance(source, Mapping):
+        values = {name: source[name] for name in names if name in source}
+    else:
+        values = {name: getattr(source, name) for name in names}
+    return cls(**values, **given)
 
 
 def kv_factory(ctx: PolicyContext) -> KvPolicy:

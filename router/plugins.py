@@ -1,8 +1,7 @@
 """How policies and services plug into the router without touching the proxy.
 
 Two extension points, both handed to ``create_app`` (and filled by default from
-``builtin_policy_factories()`` / ``builtin_services(settings)``, the only lists to edit
-when a component ships):
+``router.builtin_plugins``, the only lists to edit when a component ships):
 
 * **Policies.**  A ``PolicyFactory`` is ``Callable[[PolicyContext], Policy]``.  The
   ``PolicyRegistry`` builds the default policy (``settings.policy``) at start-up, and any
@@ -15,24 +14,10 @@ when a component ships):
   A service that needs a background task spawns it on ``ctx.tasks`` (cancelled on
   shutdown) or runs its own ``TaskGroup`` inside its context manager.
 
-How the KV-aware policy drops in (its own modules; no proxy change)::
-
-    # router/kv_policy.py
-    @asynccontextmanager
-    async def start_index(ctx: PolicyContext) -> AsyncIterator[KVIndex]:
-        index = make_index(ctx.settings.index)          # memory | redis
-        ctx.tasks.spawn(subscribe_events(ctx, index), name="kv-events")
-        try:
-            yield index
-        finally:
-            await index.aclose()
-
-    def kv_factory(ctx: PolicyContext) -> Policy:
-        return KVPolicy(ctx.services["kv_index"], ctx.load, ctx.settings.scoring, ...)
-
-    # router/plugins.py: one line in each list below
-    "kv": kv_factory,                                    # builtin_policy_factories()
-    Service("kv_index", start_index),                    # builtin_services()
+How a component drops in (no proxy change): write a factory (and, if it needs one, a
+service), then add one line to each list in ``router.builtin_plugins``, which is where
+``kvroute serve`` gets its lists; the ``kv`` and ``session`` policies and the ``kv``
+service (``router.kv_services``) are built that way.
 
 Tests pass their own ``policy_factories=`` / ``services=`` to ``create_app``.
 """
@@ -51,7 +36,6 @@ from aio.task_owner import TaskOwner
 from router.config import RouterSettings
 from router.errors import UnknownPolicy
 from router.load import LoadTracker
-from router.load_policies import LeastLoaded, RandomPolicy, RoundRobin
 from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.replica_registry import ReplicaRegistry
@@ -61,8 +45,6 @@ __all__ = [
     "PolicyFactory",
     "PolicyRegistry",
     "Service",
-    "builtin_policy_factories",
-    "builtin_services",
 ]
 
 
@@ -94,27 +76,6 @@ class Service:
 
     name: str
     start: Callable[[PolicyContext], AbstractAsyncContextManager[Any]]
-
-
-def builtin_policy_factories() -> dict[str, PolicyFactory]:
-    """The policies ``kvroute serve`` knows by name."""
-    from router.kv_services import kv_factory, session_factory  # imports router.plugins
-
-    return {
-        "round_robin": RoundRobin.factory,
-        "least_loaded": LeastLoaded.factory,
-        "random": RandomPolicy.factory,
-        "session": session_factory,
-        "kv": kv_factory,
-    }
-
-
-def builtin_services(settings: RouterSettings) -> list[Service]:
-    """The services ``kvroute serve`` starts: the KV routing stack (renderers, index,
-    KV-event ingestion, ``/metrics`` scraper), used by the ``kv`` policy."""
-    from router.kv_services import kv_service  # imports router.plugins
-
-    return [kv_service()]
 
 
 class PolicyRegistry:

@@ -11,70 +11,21 @@ The score of replica ``r`` for a prompt of ``n`` tokens (block size ``B``)::
     new_tokens(r) = n - expected_cached_tokens(r)
     expected_cached_tokens(r) = B * sum over usable matched blocks i of  P_i(r) * v_tier(i)
 
-* **Usable blocks** follow vLLM's last-token rule: at most ``(n - 1) // B`` leading blocks
-  can hit, because the engine always recomputes the last prompt token.  Matched blocks are
-  taken GPU first, then CPU, then storage (vLLM's GPU prefix lookup runs first and the
-  offload connector continues after it), so the cap drops the slowest tiers first.
-* **Tier value** ``v_tier``: GPU blocks count 1.  An offloaded block must be copied back,
-  which costs ``kv_bytes_per_token / bandwidth`` seconds per token, instead of being
-  recomputed at ``1 / prefill_tokens_per_s`` seconds per token, so it is worth
-  ``1 - reload_time / recompute_time`` clamped to ``[0, 1]`` (``tier_value``).  No magic
-  constant: the discount follows the configured link bandwidth and prefill rate.
-* **Hit probability** ``P_i = p_index * p_resident(exposure_i)``:
+* usable blocks: at most ``(n - 1) // B`` leading blocks (vLLM recomputes the last
+  token), taken GPU first, then CPU, then storage;
+* ``v_tier`` (``tier_value``): 1 on GPU; for an offloaded block, ``1 - reload_time /
+  recompute_time`` clamped to ``[0, 1]``, from the configured bandwidths and prefill rate;
+* ``P_i = p_index * p_resident``: how far the index is trusted for the replica
+  (``index_trust``), times the chance the block survives vLLM's LRU free queue until the
+  request is scheduled (``resident_probability`` over the block's eviction pressure);
+* the load terms combine the router's own accounting with the foreign load a scrape
+  shows (``combine_load``, ``foreign_load``); ``placements`` counts recent new
+  conversations and is charged to new conversations only.
 
-  - ``p_index`` is how far the index is trusted for this replica (``Freshness``): lowered
-    while its event source is disconnected, for a while after a sequence gap or a
-    reset/restart (recovering linearly over a window), and by the receipt calibration
-    (how often this replica's reported ``cached_tokens`` fell short of predictions).
-  - ``p_resident`` is the chance a block is still resident when the request is
-    scheduled.  vLLM keeps freed blocks in an LRU free queue and allocates from its
-    head, so a block freed when the pool had ``F`` free blocks is evicted once ``F`` more
-    blocks have been allocated (``router.horizon``: at the current allocation rate,
-    after ``horizon_s = free_blocks / rate`` seconds).  A block's *pressure* is the share
-    of that budget used up by the time the request is scheduled: the event lag in
-    horizons (the index reflects the replica as of ``lag`` ago), plus the blocks the
-    prefill queue ahead will allocate (``queued_prefill_tokens / block_size`` over the
-    free pool; without a pool size, the queue wait in horizons), plus, for the
-    request's own tail blocks, the share of the pool allocated since they were last
-    used (``tail_consumed``, measured from the replica's allocation count, so a burst
-    does not age a session that was not there).  Within the session's run the blocks
-    are not equal: vLLM frees a finished request's blocks last to first, so block ``i``
-    of a run of ``R`` freed behind ``F`` free blocks is ``F + R - 1 - i`` blocks from the
-    queue's head, and ``A`` allocations evict the run from its end (``A - F`` blocks)
-    while its leading blocks, the prefix the next turn needs, last longest.  With the
-    run's size and ``F`` known (``tail_run_blocks``, ``tail_queue_blocks``) each block's
-    pressure is ``A / (F + R - 1 - i)``; without them every tail block is taken to be at
-    the front.  Blocks that other replicas also hold
-    (``hot_blocks``: a popular prefix) are assumed recently touched.  Survival is 1 up
-    to a pressure of ``1 - spread``, 0 from ``1 + spread``, linear between (the counts
-    are estimates).  Unknown pool and horizon mean no eviction risk.
-
-* ``queued_prefill_tokens`` and ``decode_load`` combine the router's own in-flight
-  accounting with the foreign load a scrape shows (``foreign_load``, ``combine_load``):
-  other routers send traffic too.  The foreign part is what the scrape shows beyond our
-  own requests *at scrape time*, and the foreign queue is drained at the prefill rate
-  for the scrape's age, so a stale scrape neither double counts our requests nor keeps
-  a finished backlog alive; a scrape older than its staleness bound is unknown, never
-  zero.
-* ``placements`` is only set for a *new* conversation: the recent new conversations
-  placed on the replica (a decaying count).  Sticky sessions are future load that the
-  instantaneous queue does not show yet; without this term a prefix held by one replica
-  (a shared system prompt) would pull every new conversation there whenever traffic is
-  paced (the hotspot measured on other cache-aware routers).  With it, the session
-  imbalance stays below about ``shared prefix tokens / delta`` before the prefix is
-  computed once more on another replica.  Existing sessions never pay it (moving them
-  would throw their context away).
-
-All weights are in tokens: ``alpha = beta = 1`` makes the score minus the prefill tokens
-the request would wait for plus compute, i.e. proportional to its time to first token
-on a prefill-bound replica; ``gamma`` converts one decoding sequence into the prefill
-tokens it displaces while the request waits.
-
-``pick`` orders the ranked replicas: the highest score wins; exact ties are broken by a
-preference order passed in (the request's consistent-hash ring order, so that equal
-replicas, e.g. all holding a shared system prompt with no load, still spread new
-conversations).  With ``temperature > 0`` it samples a softmax with a uniform number
-passed in instead.
+All weights are in tokens (``alpha = beta = 1``: the score is minus the prefill ahead of
+the first token).  ``pick`` takes the best score, breaking exact ties by a preference
+order passed in, or samples a softmax when ``temperature > 0``.  The reasoning behind
+each term is in ``docs/architecture.md`` (section "Scoring").
 """
 
 from __future__ import annotations

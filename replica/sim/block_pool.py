@@ -31,19 +31,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
 
 from kvkeys.types import RequestKey
+from replica.sim.pool_events import Cleared, PoolEvent, Removed, Stored
 
 if TYPE_CHECKING:
     from replica.sim.offload import HostTier
-
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -53,38 +50,6 @@ class Block:
     ref_cnt: int = 0
     key: RequestKey | None = None
     engine_hash: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """``BlockStored``: a run of blocks of one request that just became full."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    medium: str = MEDIUM_GPU
-    lora_name: str | None = None
-    extra_keys: list[list[str] | None] | None = None
-    """One entry per block (0.32: ``to_event_extra_keys``); ``None`` for token-less events."""
-    keys: list[RequestKey] = field(default_factory=list)
-    """kvroute's request keys of the same blocks (not on the wire; for tests)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    """``BlockRemoved``: cached blocks that were evicted from ``medium``."""
-
-    block_hashes: list[int]
-    medium: str = MEDIUM_GPU
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    """``AllBlocksCleared``: the prefix cache was reset."""
-
-
-PoolEvent = Stored | Removed | Cleared
 
 
 def make_engine_hasher(seed: int) -> EngineHasher:

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from replica.sim.block_pool import BlockPool, PoolEvent, make_engine_hasher
+from replica.sim.block_pool import BlockPool, make_engine_hasher
 from replica.sim.offload import HostTier
+from replica.sim.pool_events import PoolEvent
 from replica.sim.profiles import Profile, get_profile
 from replica.sim.scheduler import Scheduler, SimRequest
 

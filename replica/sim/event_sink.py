@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from replica.sim.block_pool import MEDIUM_GPU, Cleared, PoolEvent, Removed, Stored
 from replica.sim.faults import Faults
 from replica.sim.kv_publisher import KVEventPublisher
+from replica.sim.pool_events import MEDIUM_GPU, Cleared, PoolEvent, Removed, Stored
 
 
 def to_wire(event: PoolEvent) -> KVEvent:

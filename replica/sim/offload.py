@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvkeys.types import RequestKey
-from replica.sim.block_pool import MEDIUM_CPU, PoolEvent, Removed, Stored
+from replica.sim.pool_events import MEDIUM_CPU, PoolEvent, Removed, Stored
 
 
 class HostTier:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.check_prompts import ChatTokenizer, LocalChatTokenizer
+from bench.chat_tokenizers import ChatTokenizer, LocalChatTokenizer
 from replica.vllm.tiny_tokenizer import build_tokenizer
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from bench.chat_tokenizers import ChatTokenizer
 from bench.check_prompts import (
     Cause,
-    ChatTokenizer,
     Checker,
     Turn,
     common_prefix,
@@ -201,7 +201,7 @@ async def test_a_replica_tokenize_endpoint_renders_the_same(
 ) -> None:
     import asyncio
 
-    from bench.check_prompts import HttpChatTokenizer
+    from bench.chat_tokenizers import HttpChatTokenizer
     from bench.fleet import Fleet, FleetSpec
 
     spec = FleetSpec(tokenizer=llama3_dir, replicas=1, router=False, num_blocks=256)

@@ -12,7 +12,8 @@ import pytest
 
 from prompt.chat_messages import build_conversation
 from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
-from prompt.render import ModelRenderer, RenderOptions, dump_tools, merge_kwargs
+from prompt.render import ModelRenderer, RenderOptions
+from prompt.request_fields import dump_tools, merge_kwargs
 from prompt.template_env import compile_template, detect_content_format
 from prompt.tokenizer import load_tokenizer_files
 

@@ -187,11 +187,11 @@ def test_warm_turn_encodes_only_new_pieces(registry: RendererRegistry) -> None:
 def test_splitter_is_leftmost_longest_like_the_regex(tokens: list[str], text: str) -> None:
     import re
 
-    from prompt.segments import _Splitter
+    from prompt.special_split import SpecialTokenSplitter
 
     ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
     regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
-    assert _Splitter(tokens).split(text) == regex.split(text)
+    assert SpecialTokenSplitter(tokens).split(text) == regex.split(text)
 
 
 @pytest.mark.parametrize("variant", ["llama3", "chatml"])

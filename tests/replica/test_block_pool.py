@@ -6,15 +6,9 @@ import pytest
 
 from kvkeys.keys import block_keys
 from kvkeys.types import RequestKey
-from replica.sim.block_pool import (
-    Block,
-    BlockPool,
-    Cleared,
-    Removed,
-    Stored,
-    make_engine_hasher,
-)
+from replica.sim.block_pool import Block, BlockPool, make_engine_hasher
 from replica.sim.offload import HostTier
+from replica.sim.pool_events import Cleared, Removed, Stored
 
 BS = 4
 

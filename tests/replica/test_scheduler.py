@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.sim.block_pool import Removed, Stored
 from replica.sim.engine import EngineConfig, SimEngine
+from replica.sim.pool_events import Removed, Stored
 from replica.sim.scheduler import SimRequest
 
 VOCAB = list(range(100, 1100))
