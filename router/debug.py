@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from router.errors import BadRequest, NoHealthyReplica, RouterError, UnknownModel, to_response
 from router.policy import Endpoint, RouteRequest
-from router.request import parse_body
+from router.request import ClientDisconnected, parse_body, read_body, session_key
 
 __all__ = ["debug_route"]
 
@@ -41,9 +41,8 @@ async def debug_route(request: Request) -> Response:
     state = request.state
     settings = state.settings
     try:
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise BadRequest("request body too large", code="body_too_large")
+        raw = await read_body(request.receive, settings.max_body_bytes,
+                              _content_length(request.headers.get("content-length")))
         endpoint = _endpoint(request.query_params.get("endpoint"), raw)
         body = parse_body(endpoint, raw)
         model = body.get("model") if body is not None else None
@@ -57,7 +56,7 @@ async def debug_route(request: Request) -> Response:
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
             model=model if isinstance(model, str) else None,
             body=body,
-            session_key=session,
+            session_key=session_key(session),
             policy_override=override,
         )
         policies = state.policies
@@ -65,7 +64,7 @@ async def debug_route(request: Request) -> Response:
         candidates, known = state.replicas.candidates(route.model)
         if not candidates:
             if not known:
-                raise UnknownModel(f"The model '{route.model}' does not exist")
+                raise UnknownModel(state.replicas.unknown_model(route.model))
             raise NoHealthyReplica("no healthy replica can serve this request")
         decide = getattr(policy, "decide", None)
         if decide is not None:
@@ -74,9 +73,12 @@ async def debug_route(request: Request) -> Response:
         else:
             decision = await policy.route(route, candidates)
             dry = False
+    except ClientDisconnected:
+        return Response(status_code=499)
     except RouterError as exc:
         resp = to_response(exc)
-        return Response(resp.body, status_code=resp.status, media_type="application/json")
+        return Response(resp.body, status_code=resp.status, media_type="application/json",
+                        headers={k.decode(): v.decode() for k, v in resp.headers})
     answer: dict[str, Any] = {
         "policy": decision.policy,
         "reason": decision.reason,
@@ -88,6 +90,15 @@ async def debug_route(request: Request) -> Response:
     }
     return Response(orjson.dumps(answer),
                     media_type="application/json")
+
+
+def _content_length(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest("invalid Content-Length header", code="invalid_header") from None
 
 
 def _endpoint(param: str | None, raw: bytes) -> Endpoint:

@@ -267,8 +267,9 @@ class KvPolicy:
             )
         if released is not None:
             self.horizon.observe_released(receipt.replica, released)
-        predicted = decision.predicted_cached_tokens
-        if predicted is None or not receipt.ok or receipt.replica != decision.replica:
+        # Checked against the prediction for the replica that served (a failover too).
+        predicted = decision.predicted_for(receipt.replica)
+        if predicted is None or not receipt.ok:
             return
         check = check_receipt(
             receipt.replica, predicted, receipt.cached_tokens, receipt.prompt_tokens,
@@ -276,7 +277,7 @@ class KvPolicy:
             large_rel=self.config.receipt_large_rel,
         )
         index_predicted = detail.get("index_predicted_cached_tokens", predicted)
-        if isinstance(index_predicted, int):
+        if isinstance(index_predicted, int) and receipt.replica == decision.replica:
             self.calibration.observe(receipt.replica, index_predicted, receipt.cached_tokens)
         m = self._metrics
         if m is None:
@@ -388,6 +389,8 @@ class KvPolicy:
             predicted_cached_tokens=predicted,
             want_usage=True,
             detail=detail,
+            predicted_by_replica=({s.replica: s.predicted_cached_tokens for s in ordered}
+                                  if hits is not None else {}),
         )
         if commit:
             self._commit(request, decision, chosen, prompt, akey, previous, now)

@@ -71,7 +71,8 @@ class RegistryPrompts:
 
     With ``block_size_hint`` (auto models), a model the registry does not know is added
     on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed
-    with the block size the replicas report."""
+    with the block size the replicas report; only a model that ``served`` says a
+    replica lists is added (a client's made-up name creates no state)."""
 
     def __init__(
         self,
@@ -79,10 +80,12 @@ class RegistryPrompts:
         *,
         remote: bool = True,
         block_size_hint: Callable[[], int | None] | None = None,
+        served: Callable[[str], bool] = lambda model: False,
     ) -> None:
         self.registry = registry
         self._remote = remote
         self._hint = block_size_hint
+        self._served = served
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
@@ -107,6 +110,8 @@ class RegistryPrompts:
     def _learn(self, model: object) -> bool:
         if self._hint is None or not self._remote or not isinstance(model, str) or not model:
             return False
+        if not self._served(model):
+            return False  # a client's name creates no state: only models replicas list
         block_size = self._hint()
         if block_size is None:
             return False
@@ -211,7 +216,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
         return None
 
     prompts = RegistryPrompts(registry, remote=s.remote_render,
-                              block_size_hint=block_size_hint if s.auto_models else None)
+                              block_size_hint=block_size_hint if s.auto_models else None,
+                              served=ctx.replicas.lists)
     tasks: list[asyncio.Task[Any]] = []
     try:
         await check_index(index)
