@@ -15,7 +15,7 @@ from router.plugins import PolicyContext
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, scrape
-from tests.router.test_kv_policy import R, Env, registry, req
+from tests.router.test_kv_policy import Env, R, registry, req
 from tests.router.test_kv_policy import chat as kv_chat
 
 __all__ = ["registry"]  # the module fixture, shared with the kv policy's tests
