@@ -114,7 +114,7 @@ async def test_wrong_types_are_400_as_in_vllm_and_string_booleans_coerce(
     kv_router: tuple[str, list[FakeReplica]],
 ) -> None:
     url, fakes = kv_router
-    base = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     async with aiohttp.ClientSession() as http:
         for extra, param in [
             ({"stream": "maybe"}, "stream"),
