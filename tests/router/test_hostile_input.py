@@ -115,21 +115,22 @@ async def test_wrong_types_are_400_as_in_vllm_and_string_booleans_coerce(
 ) -> None:
     url, fakes = kv_router
     base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"stream": "maybe"}, "stream"),
+        ({"stream": [True]}, "stream"),
+        ({"stream": {"on": 1}}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": "yes"}, "stream_options"),
+        ({"user": 12}, "user"),
+        ({"n": "two"}, "n"),
+        ({"max_tokens": [1]}, "max_tokens"),
+        ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
+        ({"add_generation_prompt": "sometimes"}, "add_generation_prompt"),
+        ({"messages": [{"content": "no role"}]}, "messages"),
+        ({"messages": ["just text"]}, "messages"),
+    ]
     async with aiohttp.ClientSession() as http:
-        for extra, param in [
-            ({"stream": "maybe"}, "stream"),
-            ({"stream": [True]}, "stream"),
-            ({"stream": {"on": 1}}, "stream"),
-            ({"stream_options": {"include_usage": True}}, "stream_options"),
-            ({"stream": True, "stream_options": "yes"}, "stream_options"),
-            ({"user": 12}, "user"),
-            ({"n": "two"}, "n"),
-            ({"max_tokens": [1]}, "max_tokens"),
-            ({"truncate_prompt_tokens": -5}, "truncate_prompt_tokens"),
-            ({"add_generation_prompt": "sometimes"}, "add_generation_prompt"),
-            ({"messages": [{"content": "no role"}]}, "messages"),
-            ({"messages": ["just text"]}, "messages"),
-        ]:
+        for extra, param in cases:
             async with http.post(url + "/v1/chat/completions", json={**base, **extra}) as resp:
                 _assert_openai_400(resp.status, await resp.read(), param)
         async with http.post(url + "/v1/completions",
