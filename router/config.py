@@ -36,6 +36,7 @@ __all__ = [
     "MemoryIndexSettings",
     "ModelSettings",
     "RedisIndexSettings",
+    "RenderWorkerSettings",
     "ReplicaSettings",
     "RouterSettings",
     "ScoringSettings",
@@ -202,6 +203,21 @@ class ScrapeSettings(_Section):
     """A sample older than this is unknown (three missed rounds)."""
 
 
+class RenderWorkerSettings(_Section):
+    """Large prompts: refused early when they cannot fit, else rendered off the loop."""
+
+    enabled: bool = True
+    """Render prompts longer than ``offload_chars`` in a worker process (off: on the
+    event loop, which stalls every other request while a long prompt is tokenised)."""
+    offload_chars: int = Field(default=32768, ge=0)
+    """Characters of prompt text above which rendering leaves the event loop (about
+    10k tokens: some 10-30 ms of tokenising, depending on the tokenizer)."""
+    budget_s: float = Field(default=1.0, gt=0)
+    """Longest wait for a worker render; past it the request is routed by affinity."""
+    max_pending: int = Field(default=4, ge=1)
+    """Worker renders waiting at once; more large prompts are routed by affinity."""
+
+
 class ScoringSettings(_Section):
     """Knobs of the ``kv`` policy (formula in ``router.scoring``; defaults sized there)."""
 
@@ -297,6 +313,8 @@ class ScoringSettings(_Section):
     """Models rendered for KV routing; a model not listed is routed by affinity."""
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     """Replica ``/metrics`` scraping."""
+    render_worker: RenderWorkerSettings = Field(default_factory=RenderWorkerSettings)
+    """Large prompts (early refusal, worker process, time budget)."""
 
 
 class RouterSettings(BaseSettings):

@@ -20,7 +20,12 @@ Registered through ``router.plugins`` (no proxy change):
 ``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
 a request that cannot be rendered exactly (``RenderError`` of any kind) has no prompt,
 and the policy falls back to affinity; the replica still gets the request and answers
-for itself (a malformed request is the replica's 400 to give, not the router's).
+for itself (a malformed request is the replica's 400 to give, not the router's).  Two
+exceptions for large prompts (``router.prompt_bounds``, ``router.render_worker``): a
+prompt whose text alone cannot fit the model's context (``max_model_len``, configured or
+reported by the replicas' ``/v1/models``) is refused with vLLM's 400 before any
+tokenising, and a prompt with more than ``render_worker.offload_chars`` characters is
+rendered in a worker process within ``render_worker.budget_s`` (else affinity).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from router.indexer import check_index, instrumented_index
 from router.kv_policy import KvConfig, KvPolicy
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
+from router.prompt_bounds import max_chars_per_token, prompt_chars, too_long
+from router.render_worker import RenderWorker
 from router.scoring import CostModel, ScoringWeights
 from router.scrape import MetricsScraper, ScrapeSample
 from router.session_policy import SessionPolicy
@@ -81,11 +88,21 @@ class RegistryPrompts:
         remote: bool = True,
         block_size_hint: Callable[[], int | None] | None = None,
         served: Callable[[str], bool] = lambda model: False,
+        max_model_len: Callable[[str], int | None] = lambda model: None,
+        worker: RenderWorker | None = None,
     ) -> None:
         self.registry = registry
         self._remote = remote
         self._hint = block_size_hint
         self._served = served
+        self._max_model_len = max_model_len
+        self.worker = worker
+        # Per model with a local tokenizer: the most characters one token stands for.
+        self._chars_per_token: dict[str, int | None] = {}
+        for name in registry.models():
+            renderer = registry.resolve(name).renderer
+            if renderer is not None:
+                self._chars_per_token[name] = max_chars_per_token(renderer.files.tokenizer)
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
@@ -96,6 +113,15 @@ class RegistryPrompts:
         if model not in self.registry:
             if not self._learn(model):
                 return None
+        assert isinstance(model, str)
+        chars = prompt_chars(request.endpoint, body)
+        refusal = too_long(request.endpoint, body, chars, self._chars_per_token.get(model),
+                           self._max_model_len(model))
+        if refusal is not None:
+            raise refusal  # cannot fit the context: vLLM's 400, without tokenising
+        if (self.worker is not None and self.worker.takes(chars)
+                and model in self._chars_per_token):
+            return await self.worker.render(request.endpoint, body)
         url = replica_url if self._remote else None
         try:
             if request.endpoint == "chat":
@@ -215,9 +241,23 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 return status.block_size
         return None
 
+    model_specs = {spec.name: spec for spec in _model_specs(s)}
+
+    def max_model_len(model: str) -> int | None:
+        """The configured context length, else the least the replicas report."""
+        spec = model_specs.get(model)
+        if spec is not None and spec.max_model_len is not None:
+            return spec.max_model_len
+        return ctx.replicas.max_model_len(model)
+
+    w = s.render_worker
+    worker = (RenderWorker(list(model_specs.values()), offload_chars=w.offload_chars,
+                           budget_s=w.budget_s, max_pending=w.max_pending)
+              if w.enabled else None)
     prompts = RegistryPrompts(registry, remote=s.remote_render,
                               block_size_hint=block_size_hint if s.auto_models else None,
-                              served=ctx.replicas.lists)
+                              served=ctx.replicas.lists, max_model_len=max_model_len,
+                              worker=worker)
     tasks: list[asyncio.Task[Any]] = []
     try:
         await check_index(index)
@@ -259,6 +299,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
+            if worker is not None:
+                await worker.aclose()
             await index.aclose()
         finally:
             index_metrics.close()

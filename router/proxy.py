@@ -91,6 +91,8 @@ _RESP_HOP = frozenset({
     b"trailer", b"proxy-authenticate", b"x-request-id",
 })
 _CONNECT_ERRORS = (aiohttp.ClientConnectionError, OSError)
+# Bodies past this size let other requests run between being read and being parsed.
+_YIELD_BEFORE_PARSE_BYTES = 1 << 20
 # Failed attempts that count against the replica's health (passive health checking).
 _HEALTH_FAILURES = frozenset({"connect_error", "bad_response"})
 
@@ -214,6 +216,8 @@ class Proxy:
         request_id = inc.request_id or self._new_id()
         try:
             body = await read_body(receive, self._limit, inc.content_length)
+            if len(body) > _YIELD_BEFORE_PARSE_BYTES:
+                await asyncio.sleep(0)  # joining and parsing megabytes: one step each
             parsed = parse_body(endpoint, body)
             model = parsed.get("model") if parsed is not None else None
             if model is not None and not isinstance(model, str):

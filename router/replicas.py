@@ -126,6 +126,13 @@ class ReplicaRegistry:
         return any(state.models is not None and model in state.models
                    for state in self._by_id.values())
 
+    def max_model_len(self, model: str) -> int | None:
+        """The least ``max_model_len`` the replicas' ``/v1/models`` cards give ``model``."""
+        lengths = [card["max_model_len"] for state in self._by_id.values()
+                   for card in state.model_cards
+                   if card.get("id") == model and isinstance(card.get("max_model_len"), int)]
+        return min(lengths) if lengths else None
+
     def unknown_model(self, model: str | None) -> str:
         """The 404 message for ``model``: it names the models that are served."""
         shown = model if model is None or len(model) <= 256 else model[:256] + "..."
