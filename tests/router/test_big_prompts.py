@@ -155,12 +155,13 @@ async def test_the_worker_renders_exactly_what_the_loop_would(tokenizer_dir: Pat
     prompts = RegistryPrompts(RendererRegistry([spec]), remote=False, worker=worker)
     local = RendererRegistry([spec])
     try:
-        for endpoint, body in [
+        cases: list[tuple[str, dict[str, Any]]] = [
             ("chat", {"model": "m", "cache_salt": "t1", "messages": [
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": _text(5000)}]}),
             ("completions", {"model": "m", "prompt": _text(4000, seed=2)}),
-        ]:
+        ]
+        for endpoint, body in cases:
             request = RouteRequest("q", endpoint, "/v1/x", "m", body, None)  # type: ignore[arg-type]
             got = await prompts.prompt(request, None)
             want = (local.render_chat(body) if endpoint == "chat"
