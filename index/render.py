@@ -65,6 +65,7 @@ from index.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, T
 from index.template_env import compile_template, detect_content_format, template_variables
 from index.tokenizer import TokenizerFiles
 from index.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
+from index.words import DEFAULT_MAX_WORDS
 
 ContentFormatOption = Literal["auto", "string", "openai"]
 
@@ -199,10 +200,12 @@ class ModelRenderer:
         *,
         max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
         max_turn_bytes: int = DEFAULT_MAX_TURN_BYTES,
+        max_cached_words: int = DEFAULT_MAX_WORDS,
     ) -> None:
         self.files = files
         self.options = options or RenderOptions()
-        self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens)
+        self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens,
+                                      max_cached_words=max_cached_words)
         self.turns = TurnMemo(max_bytes=max_turn_bytes)
 
     # -- chat ---------------------------------------------------------------------------

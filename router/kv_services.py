@@ -55,7 +55,7 @@ from router.kv_policy import KvConfig, KvPolicy
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.prompt_bounds import max_chars_per_token, prompt_chars, too_long
-from router.render_worker import RenderWorker
+from router.render_worker import MemoBounds, RenderWorker
 from router.scoring import CostModel, ScoringWeights
 from router.scrape import MetricsScraper, ScrapeSample
 from router.session_policy import SessionPolicy
@@ -195,6 +195,14 @@ def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
     ]
 
 
+def _memo_bounds(s: ScoringSettings) -> MemoBounds:
+    """The renderer registry's memo bounds (``scoring.prompt_memory``)."""
+    m = s.prompt_memory
+    return MemoBounds(max_cached_tokens=m.piece_cache_tokens,
+                      max_cached_words=m.word_cache_words, max_turn_bytes=m.turn_memo_bytes,
+                      max_key_nodes=m.key_memo_units)
+
+
 def _sources(ctx: PolicyContext) -> list[SourceSpec]:
     settings = ctx.settings
     default_model = settings.scoring.models[0].name if settings.scoring.models else None
@@ -222,7 +230,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     """Build renderers, index, ingestion and scraper (see the module docstring)."""
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
-    registry = RendererRegistry(_model_specs(s), remote=remote)
+    memos = _memo_bounds(s)
+    registry = RendererRegistry(_model_specs(s), remote=remote, **memos)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index_metrics = IndexMetrics(ctx.metrics.registry)
     index = instrumented_index(ctx.settings.index, index_metrics)
@@ -252,7 +261,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
 
     w = s.render_worker
     worker = (RenderWorker(list(model_specs.values()), offload_chars=w.offload_chars,
-                           budget_s=w.budget_s, max_pending=w.max_pending)
+                           budget_s=w.budget_s, max_pending=w.max_pending, memos=memos)
               if w.enabled else None)
     prompts = RegistryPrompts(registry, remote=s.remote_render,
                               block_size_hint=block_size_hint if s.auto_models else None,

@@ -30,16 +30,25 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, TypedDict
 
 from index.prompt import Prompt
 from index.render_errors import RenderError
 from index.renderer_registry import ModelSpec, RendererRegistry
 from router.policy import Endpoint
 
-__all__ = ["RenderWorker"]
+__all__ = ["MemoBounds", "RenderWorker"]
 
 _log = logging.getLogger(__name__)
+
+class MemoBounds(TypedDict):
+    """A renderer registry's memo bounds (its keyword arguments)."""
+
+    max_cached_tokens: int
+    max_cached_words: int
+    max_turn_bytes: int
+    max_key_nodes: int
+
 
 _Packed = tuple[bytes, bytes, int, str, str | None, str | None]
 """(token ids as u32, block keys as u64, block size, model, LoRA name, cache salt)."""
@@ -48,9 +57,9 @@ _registry: RendererRegistry | None = None
 """The worker process's renderers (set by ``_start`` in that process only)."""
 
 
-def _start(specs: Sequence[ModelSpec]) -> None:
+def _start(specs: Sequence[ModelSpec], memos: MemoBounds | None) -> None:
     global _registry
-    _registry = RendererRegistry(specs)
+    _registry = RendererRegistry(specs) if memos is None else RendererRegistry(specs, **memos)
 
 
 def _render(endpoint: Endpoint, body: Mapping[str, Any]) -> _Packed | None:
@@ -93,9 +102,11 @@ class RenderWorker:
 
     def __init__(
         self, specs: Sequence[ModelSpec], *, offload_chars: int, budget_s: float,
-        max_pending: int,
+        max_pending: int, memos: MemoBounds | None = None,
     ) -> None:
         self._specs = tuple(s for s in specs if s.tokenizer is not None)
+        self._memos = memos
+        """The worker registry's memo bounds (``RendererRegistry`` keyword arguments)."""
         self.offload_chars = offload_chars
         self._budget_s = budget_s
         self._max_pending = max_pending
@@ -119,7 +130,7 @@ class RenderWorker:
         if executor is None:
             executor = self._executor = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start, initargs=(self._specs,),
+                initializer=_start, initargs=(self._specs, self._memos),
             )
         self._pending += 1
         future = asyncio.wrap_future(executor.submit(_render, endpoint, dict(body)))
