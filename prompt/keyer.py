@@ -11,7 +11,8 @@ segments (``prompt.segments``), each with a serial number that identifies its ex
 token ids.  The keyer memoises the hash chain state after each segment, keyed by
 (state before, segment serial), so a prompt that extends a previous one only hashes the
 blocks its new segments complete (in one ``block_keys`` call for all of them).  The
-memo is bounded (a trie of at most ``max_nodes`` states, dropped whole when full); a
+memo is bounded (a trie of at most ``max_nodes`` units of ~200 bytes, a state plus its
+keys, dropped whole when full); a
 miss only costs recomputation, and the result is always equal to ``block_keys`` over
 the whole token list (a property test checks this).
 
@@ -48,8 +49,12 @@ _HELD_BY_THE_TRAIL_ONLY = 2
 the call's argument): the prompt it was handed to is gone, so it may be reused."""
 
 DEFAULT_MAX_KEY_NODES = 200_000
-"""Memoised chain states.  One per segment of each remembered prompt (about 4 per
-message), so the default covers some 5,000 ten-turn conversations in ~40 MB."""
+"""Memoised chain states, in units of about 200 bytes: a state costs one unit plus one
+per ``_KEYS_PER_UNIT`` block keys it holds (a state after a long segment holds many),
+so the trie stays under ``max_nodes`` x 200 bytes (~40 MB by default, some 5,000
+ten-turn conversations)."""
+_KEYS_PER_UNIT = 5
+"""Block keys per unit: a key is an int (32 bytes) and its list slot (8)."""
 
 
 def validate_cache_salt(cache_salt: object) -> str | None:
@@ -268,13 +273,13 @@ class PromptKeyer:
                 done = blocks
                 node.children[serial] = child
                 self.misses += 1
-                self._count_node()
+                self._count_node(1 + len(child.keys) // _KEYS_PER_UNIT)
                 node = child
             if nodes is not None:
                 nodes.append(node)
 
-    def _count_node(self) -> None:
-        self._nodes += 1
+    def _count_node(self, units: int = 1) -> None:
+        self._nodes += units
         if self._nodes > self._max_nodes:
             # Drop every memoised state; nodes already reached stay valid for the
             # prompt being keyed (they are plain values), and regrow from the roots.

@@ -37,6 +37,7 @@ from prompt.render import ContentFormatOption, ModelRenderer, RenderOptions, Tok
 from prompt.segments import DEFAULT_MAX_CACHED_TOKENS
 from prompt.tokenizer import load_tokenizer_files, read_chat_template
 from prompt.turns import DEFAULT_MAX_TURN_BYTES
+from prompt.words import DEFAULT_MAX_WORDS
 
 if TYPE_CHECKING:
     from prompt.remote_render import RemoteRenderer
@@ -121,11 +122,13 @@ class RendererRegistry:
         max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
         max_key_nodes: int = DEFAULT_MAX_KEY_NODES,
         max_turn_bytes: int = DEFAULT_MAX_TURN_BYTES,
+        max_cached_words: int = DEFAULT_MAX_WORDS,
         remote: RemoteRenderer | None = None,
     ) -> None:
         self._hf_cache_dir = hf_cache_dir
         self._max_cached_tokens = max_cached_tokens
         self._max_turn_bytes = max_turn_bytes
+        self._max_cached_words = max_cached_words
         self._targets: dict[str, Target] = {}
         self.keyer = PromptKeyer(max_nodes=max_key_nodes)
         self.remote = remote
@@ -150,6 +153,7 @@ class RendererRegistry:
                 spec.render_options(),
                 max_cached_tokens=self._max_cached_tokens,
                 max_turn_bytes=self._max_turn_bytes,
+                max_cached_words=self._max_cached_words,
             )
         target = Target(spec=spec, lora_name=None, renderer=renderer)
         self._targets[spec.name] = target

@@ -73,6 +73,7 @@ from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, 
 from prompt.template_env import compile_template, detect_content_format, template_variables
 from prompt.tokenizer import TokenizerFiles
 from prompt.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
+from prompt.words import DEFAULT_MAX_WORDS
 
 ContentFormatOption = Literal["auto", "string", "openai"]
 
@@ -158,10 +159,12 @@ class ModelRenderer:
         *,
         max_cached_tokens: int = DEFAULT_MAX_CACHED_TOKENS,
         max_turn_bytes: int = DEFAULT_MAX_TURN_BYTES,
+        max_cached_words: int = DEFAULT_MAX_WORDS,
     ) -> None:
         self.files = files
         self.options = options or RenderOptions()
-        self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens)
+        self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens,
+                                      max_cached_words=max_cached_words)
         self.turns = TurnMemo(max_bytes=max_turn_bytes)
 
     # -- chat ---------------------------------------------------------------------------

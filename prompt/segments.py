@@ -76,10 +76,19 @@ Segment = tuple[int, Sequence[int]]
 """``(serial, token ids)`` of one piece of a prompt."""
 
 DEFAULT_MAX_CACHED_TOKENS = 2_000_000
-"""Token ids kept in the piece cache.  A cached id costs about 12 bytes (a pointer to
-the vocabulary's shared int and some 4 characters of piece text), so the default is
-about 24 MB per model: a few hundred concurrent 10-turn conversations of 6k tokens, the
-working set a router sees between turns."""
+"""Size of the piece cache, in token ids: a piece counts its ids, plus one per
+``_CHARS_PER_ID`` characters of its text (a long piece of few tokens still counts its
+text), plus ``_ENTRY_IDS`` for its entry.  Measured at about 26 bytes per counted id
+(the id's slot, its share of the text and of the entry), so the default is about 52 MB
+per model: a few hundred concurrent 10-turn conversations of 6k tokens, the working set
+a router sees between turns."""
+_CHARS_PER_ID = 4
+_ENTRY_IDS = 8
+
+
+def _cost(key: str, ids: Sequence[int]) -> int:
+    """What a cached piece counts against ``max_cached_tokens``."""
+    return len(ids) + len(key) // _CHARS_PER_ID + _ENTRY_IDS
 
 EXACT_REFCOUNTS = (
     sys.implementation.name == "cpython"
@@ -345,13 +354,14 @@ class SegmentEncoder:
         if not shared:
             ids = self._shared_ints(ids)
         seg: Segment = (next(self._serials), ids)
-        if len(ids) > self._max_tokens:
+        cost = _cost(key, ids)
+        if cost > self._max_tokens:
             return seg
         self._cache[key] = seg
-        self._cached_tokens += len(ids)
+        self._cached_tokens += cost
         while self._cached_tokens > self._max_tokens:
-            _, (_, old) = self._cache.popitem(last=False)
-            self._cached_tokens -= len(old)
+            old_key, (_, old) = self._cache.popitem(last=False)
+            self._cached_tokens -= _cost(old_key, old)
             self.stats.evictions += 1
         return seg
 

@@ -39,8 +39,9 @@ Exactness rests on three facts, each checked:
 Isolated splitting also keeps text between matches as words; the encoder requires the
 matches to cover the text and otherwise leaves it to the tokenizer.
 
-The word cache is bounded (``max_words``) and dropped whole when full (the next texts
-refill it); ids are lists of the caller's shared int objects.  Not thread-safe.
+The word cache is bounded (``max_words``, and as many times ``_CHARS_PER_WORD``
+characters) and dropped whole when full (the next texts refill it); ids are lists of
+the caller's shared int objects.  Not thread-safe.
 """
 
 from __future__ import annotations
@@ -56,9 +57,14 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 DEFAULT_MAX_WORDS = 200_000
-"""Distinct words kept: a word costs some 175 bytes (its text, its ids, the slot), so
-about 35 MB per model at most; a chat workload's vocabulary (words with and without
-their leading space, capitalised or not) is a few tens of thousands of words."""
+"""Distinct words kept, and ``_CHARS_PER_WORD`` characters per word on average (one
+long "word", a run of letters without a space, counts its length): a word costs some
+175 bytes (its text, its ids, the slot) and each character past the average at most
+nine (one byte of text, an 8-byte id slot), so about 35 MB per model at most (measured
+under a stream of distinct prompts: 36 MB); a chat workload's vocabulary (words with
+and without their leading space, capitalised or not) is a few tens of thousands of
+words."""
+_CHARS_PER_WORD = 8
 
 _NORMAL_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 _ESCAPES = frozenset("rntfvsSdDwW")
@@ -139,6 +145,8 @@ class WordEncoder:
         self._ints = ints
         self._max_words = max_words
         self._words: dict[str, list[int]] = {}
+        self._chars = 0
+        """Characters of the cached words (bounded by ``max_words * _CHARS_PER_WORD``)."""
         self.words_encoded = 0
         """Words the tokenizer encoded (cache misses), for metrics and tests."""
 
@@ -183,9 +191,12 @@ class WordEncoder:
             found = list(map(known.__getitem__, words))
         except KeyError:
             missing = set(words).difference(known)
-            if len(known) + len(missing) > self._max_words:
+            chars = sum(map(len, missing))
+            if (len(known) + len(missing) > self._max_words
+                    or self._chars + chars > self._max_words * _CHARS_PER_WORD):
                 known.clear()  # generational: this text's words are learnt again
                 missing = set(words)
+                self._chars = 0
             if not self._learn(missing):
                 return None
             found = list(map(known.__getitem__, words))
@@ -197,6 +208,7 @@ class WordEncoder:
     def clear(self) -> None:
         """Forget every word."""
         self._words.clear()
+        self._chars = 0
 
     def _learn(self, words: set[str]) -> bool:
         """Encode ``words`` alone and keep their ids; ``False`` (nothing kept) if one
@@ -212,6 +224,7 @@ class WordEncoder:
             self._words[word] = [
                 ints[t.id] if t.id < size else t.id for t in tokenize(word.translate(table))
             ]
+            self._chars += len(word)
         self.words_encoded += len(words)
         return True
 

@@ -36,6 +36,9 @@ __all__ = ["AffinityKey", "AffinityRing", "KeySource", "affinity_key"]
 KeySource = Literal["session", "first_message", "prompt_prefix", "request_id"]
 """Where an affinity key came from (a bounded metric label)."""
 
+_FIRST_MESSAGE_CHARS = 65536
+"""Characters of a first message hashed for its affinity key (past that, its length
+stands for the rest)."""
 _PROMPT_PREFIX_CHARS = 1024
 """Characters of a completions prompt hashed when no tokens are at hand: about the first
 256 tokens, enough to tell conversations apart without reading a long prompt."""
@@ -62,8 +65,14 @@ def _first_message(body: Mapping[str, Any]) -> str | None:
             continue
         if message.get("role") in ("system", "developer"):
             continue
+        content = message.get("content")
+        if isinstance(content, str) and len(content) > _FIRST_MESSAGE_CHARS:
+            # A huge first message: its start and length tell conversations apart just
+            # as well, without serialising megabytes on the request path.
+            head = content[:_FIRST_MESSAGE_CHARS].encode("utf-8", "surrogatepass")
+            return _digest(b"M\x00%d\x00" % len(content) + head)
         try:
-            raw = orjson.dumps(message.get("content"))
+            raw = orjson.dumps(content)
         except TypeError:
             return None
         return _digest(b"m\x00" + raw)

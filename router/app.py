@@ -23,8 +23,10 @@ policy), ``GET /health`` (liveness), ``GET /ready`` (200 iff a replica is health
 what is degraded: ``router.readiness``), ``GET /metrics``.  With API keys configured
 (``router.tenancy``), ``/v1/*`` needs a key, and ``/metrics`` and ``/debug/route`` follow
 ``auth.metrics`` / ``auth.debug_route`` (``open``, ``trusted`` or ``disabled``); ``/health``
-and ``/ready`` stay open.  The proxy routes are raw ASGI callables (``_ProxyRoute``): no
-Starlette Request/Response on the hot path.
+and ``/ready`` stay open.  Unknown paths and wrong methods (a router path such as
+``/v1/chat/completions`` asked with another method too) get OpenAI-shaped JSON 404/405
+errors from the router itself.  The proxy routes are raw ASGI callables (``_ProxyRoute``):
+no Starlette Request/Response on the hot path.
 
 Extending (policies, services): see ``router.plugins``.
 """
@@ -41,6 +43,7 @@ import aiohttp
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -50,7 +53,7 @@ from router.admin_server import serve_admin
 from router.builtin_plugins import builtin_policy_factories, builtin_services
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
-from router.errors import RouterError, to_response
+from router.errors import RouterError, error_body, to_response
 from router.health import HealthProber
 from router.load import LoadTracker
 from router.membership import Membership
@@ -182,6 +185,11 @@ def create_app(
                        request.headers.get("authorization"))
         return Response(generate_latest(prom), media_type=CONTENT_TYPE_LATEST)
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Unknown paths and wrong methods: OpenAI-shaped JSON, like every router error.
+        assert isinstance(exc, HTTPException)
+        return _json_error(exc.status_code, exc.detail, dict(exc.headers or {}))
+
     async def router_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RouterError)
         resp = to_response(exc)
@@ -200,7 +208,8 @@ def create_app(
         Route("/debug/route", debug_route, methods=["POST"]),
     ]
     return _RouterApp(routes=routes, lifespan=lifespan,
-                      exception_handlers={RouterError: router_error})
+                      exception_handlers={RouterError: router_error,
+                                          HTTPException: http_error})
 
 
 class _RouterApp(Starlette):
@@ -232,6 +241,12 @@ class _ProxyRoute:
         self.endpoint: Endpoint = endpoint
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.endpoint == "other" and scope["path"] in _OWN_PATHS:
+            # A router path with another method: the router's 405, not a replica's.
+            allow = _OWN_PATHS[scope["path"]]
+            resp = _json_error(405, "Method Not Allowed", {"Allow": allow})
+            await resp(scope, receive, send)  # type: ignore[arg-type]
+            return
         proxy: Proxy = scope["state"]["proxy"]
         await proxy.handle(scope, receive, send, self.endpoint)
 
@@ -240,6 +255,22 @@ _FAST_ROUTES: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
+
+
+_OWN_PATHS: dict[str, str] = {
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/models": "GET",
+}
+"""The ``/v1`` paths the router answers itself, and the method each takes."""
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _json_error(status: int, message: str, headers: dict[str, str]) -> Response:
+    code = _HTTP_CODES.get(status, "invalid_request")
+    return Response(error_body(message, "invalid_request_error", code), status_code=status,
+                    media_type="application/json", headers=headers)
 
 
 def _upstream_session(settings: RouterSettings) -> aiohttp.ClientSession:

@@ -50,7 +50,9 @@ __all__ = [
     "IndexSettings",
     "MemoryIndexSettings",
     "ModelSettings",
+    "PromptMemorySettings",
     "RedisIndexSettings",
+    "RenderWorkerSettings",
     "ReplicaSettings",
     "RouterSettings",
     "ScoringSettings",
@@ -240,6 +242,41 @@ _WEIGHTS = ScoringWeights()
 _COSTS = CostModel()
 
 
+class RenderWorkerSettings(_Section):
+    """Large prompts: refused early when they cannot fit, else rendered off the loop."""
+
+    enabled: bool = True
+    """Render prompts longer than ``offload_chars`` in a worker process (off: on the
+    event loop, which stalls every other request while a long prompt is tokenised)."""
+    offload_chars: int = Field(default=32768, ge=0)
+    """Characters of prompt text above which rendering leaves the event loop (about
+    10k tokens: some 10-30 ms of tokenising, depending on the tokenizer)."""
+    budget_s: float = Field(default=1.0, gt=0)
+    """Longest wait for a worker render; past it the request is routed by affinity."""
+    max_pending: int = Field(default=4, ge=1)
+    """Worker renders waiting at once; more large prompts are routed by affinity."""
+
+
+class PromptMemorySettings(_Section):
+    """Bounds of the per-prompt memos of each model rendered locally (they hold what the
+    next turn of a conversation reuses; a miss costs only recomputation).  Each bound is
+    in the memo's own unit, with its measured size in bytes; the render worker process
+    (``render_worker``) has memos of the same bounds.  The defaults add up to about
+    200 MB per model."""
+
+    piece_cache_tokens: int = Field(default=2_000_000, ge=0)
+    """Tokenised text pieces, in token ids (a piece's ids, plus one per 4 characters of
+    its text, plus 8): about 26 bytes each, 52 MB by default."""
+    word_cache_words: int = Field(default=200_000, ge=0)
+    """Tokenised words (and 8 characters per word): about 175 bytes each, 35 MB."""
+    turn_memo_bytes: int = Field(default=64_000_000, ge=0)
+    """The last turn of each conversation (its texts and messages, counted in
+    characters; about twice that in bytes): 64 MB counted."""
+    key_memo_units: int = Field(default=200_000, ge=1)
+    """Block-key chain states, in units of about 200 bytes (a state, or five keys):
+    40 MB (shared by the models)."""
+
+
 class ScoringSettings(_Section):
     """Knobs of the ``kv`` policy (formula in ``router.scoring``).
 
@@ -305,11 +342,14 @@ class ScoringSettings(_Section):
     provisional_ttl_s: float = Field(default=10.0, ge=0)
     """How long a routed request's blocks count as held before events confirm them."""
     provisional_max_keys: int = Field(default=1_000_000, ge=0)
-    """Bound on provisional entries (8 bytes of key each plus dict overhead)."""
+    """Bound on provisional entries (about 120 bytes each: the key, its expiry, the dict
+    slot and the insert record; 120 MB by default, less as entries expire)."""
     max_sessions: int = Field(default=100_000, ge=0)
     """Sessions remembered (stickiness, think time, prefix breaks)."""
     session_token_bytes: int = Field(default=64 << 20, ge=0)
-    """Bytes of previous prompts kept for prefix-break detection (4 per token)."""
+    """Bytes of session state: each session's previous prompt (4 bytes per token, for
+    prefix-break detection), its message digests and 512 bytes for the entry; the
+    least recently seen sessions go first."""
     detect_prefix_breaks: bool = True
     """Compare each session's new prompt with its previous one (explicit session keys)."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)
@@ -339,6 +379,10 @@ class ScoringSettings(_Section):
     """Models rendered for KV routing; a model not listed is routed by affinity."""
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     """Replica ``/metrics`` scraping."""
+    render_worker: RenderWorkerSettings = Field(default_factory=RenderWorkerSettings)
+    """Large prompts (early refusal, worker process, time budget)."""
+    prompt_memory: PromptMemorySettings = Field(default_factory=PromptMemorySettings)
+    """Bounds of the per-prompt memos, in bytes (see each field)."""
 
 
 class ConnectionSettings(_Section):

@@ -33,7 +33,7 @@ from starlette.responses import Response
 
 from router.errors import BadRequest, NoHealthyReplica, RouterError, UnknownModel, to_response
 from router.policy import Endpoint, RouteRequest
-from router.request import parse_body
+from router.request import ClientDisconnected, parse_body, read_body, session_key
 from router.tenancy import check_endpoint
 
 __all__ = ["debug_route"]
@@ -46,9 +46,8 @@ async def debug_route(request: Request) -> Response:
     try:
         tenant = check_endpoint(settings.auth.debug_route, state.access,
                                 request.headers.get("authorization"))
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            raise BadRequest("request body too large", code="body_too_large")
+        raw = await read_body(request.receive, settings.max_body_bytes,
+                              _content_length(request.headers.get("content-length")))
         endpoint = _endpoint(request.query_params.get("endpoint"), raw)
         body = parse_body(endpoint, raw)
         if tenant is not None and body is not None:
@@ -66,7 +65,7 @@ async def debug_route(request: Request) -> Response:
             path="/v1/chat/completions" if endpoint == "chat" else "/v1/completions",
             model=model if isinstance(model, str) else None,
             body=body,
-            session_key=session,
+            session_key=session_key(session),
             policy_override=override,
         )
         policies = state.policies
@@ -74,7 +73,7 @@ async def debug_route(request: Request) -> Response:
         candidates, known = state.replicas.candidates(route.model)
         if not candidates:
             if not known:
-                raise UnknownModel(f"The model '{route.model}' does not exist")
+                raise UnknownModel(state.replicas.unknown_model(route.model))
             raise NoHealthyReplica("no healthy replica can serve this request")
         decide = getattr(policy, "decide", None)
         if decide is not None:
@@ -83,6 +82,8 @@ async def debug_route(request: Request) -> Response:
         else:
             decision = await policy.route(route, candidates)
             dry = False
+    except ClientDisconnected:
+        return Response(status_code=499)
     except RouterError as exc:
         resp = to_response(exc)
         return Response(resp.body, status_code=resp.status, media_type="application/json",
@@ -98,6 +99,15 @@ async def debug_route(request: Request) -> Response:
     }
     return Response(orjson.dumps(answer),
                     media_type="application/json")
+
+
+def _content_length(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest("invalid Content-Length header", code="invalid_header") from None
 
 
 def _endpoint(param: str | None, raw: bytes) -> Endpoint:

@@ -20,7 +20,8 @@ Upstream 4xx/5xx responses are not errors here: they are passed through unchange
 the first byte of a stream has been sent, an error is never a status line: the proxy ends
 the stream with a final ``data: {"error": ...}`` event (``sse_error_event``).
 
-Bodies are OpenAI-shaped: ``{"error": {"message", "type", "code"}}``.  Foreign exceptions
+Bodies are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` (``param``
+names the request field at fault, else ``null``).  Foreign exceptions
 (aiohttp, asyncio) are converted at the adapter boundary with ``raise X(...) from exc``.
 """
 
@@ -57,11 +58,14 @@ class RouterError(Exception):
     code: str = "router_error"
     """Machine-readable code (the ``error.code`` field); subclasses override."""
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        self.param = param
+        """The request field at fault, when one is (OpenAI's ``error.param``)."""
 
 
 class BadRequest(RouterError):
@@ -169,9 +173,10 @@ _TABLE: dict[type[RouterError], tuple[int, str]] = {
 }
 
 
-def error_body(message: str, type_: str, code: str) -> bytes:
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:
     """An OpenAI-shaped error object, serialised."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "code": code}})
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param,
+                                   "code": code}})
 
 
 def to_response(exc: RouterError) -> ErrorResponse:
@@ -188,7 +193,7 @@ def to_response(exc: RouterError) -> ErrorResponse:
         headers = ((b"retry-after", str(exc.retry_after_s).encode()),)
     elif isinstance(exc, Unauthorized):
         headers = ((b"www-authenticate", b"Bearer"),)
-    return ErrorResponse(status, headers, error_body(exc.message, type_, exc.code))
+    return ErrorResponse(status, headers, error_body(exc.message, type_, exc.code, exc.param))
 
 
 def sse_error_event(message: str, code: str) -> bytes:

@@ -234,12 +234,15 @@ class KvPolicy:
         released = ticket.released_blocks(receipt) if ticket is not None else None
         session = ticket.session if ticket is not None else None
         self.tracker.finished(session, receipt.replica, released, now)
-        predicted = decision.predicted_cached_tokens
-        if predicted is None or not receipt.ok or receipt.replica != decision.replica:
+        # Checked against the prediction for the replica that served (a failover too).
+        predicted = decision.predicted_for(receipt.replica)
+        if predicted is None or not receipt.ok:
             return
-        learn = ticket.calibration_cached_tokens if ticket is not None else None
-        self.tracker.receipt(request, predicted, predicted if learn is None else learn,
-                             receipt)
+        learn: int | None = None
+        if receipt.replica == decision.replica:  # calibrate only the index's own figure
+            index_hit = ticket.calibration_cached_tokens if ticket is not None else None
+            learn = predicted if index_hit is None else index_hit
+        self.tracker.receipt(request, predicted, learn, receipt)
 
     # ------------------------------------------------------------------ pipeline
     async def decide(
@@ -359,6 +362,8 @@ class KvPolicy:
             want_usage=True,
             detail=detail,
             ticket=ticket,
+            predicted_by_replica=({s.replica: s.predicted_cached_tokens for s in choice.ordered}
+                                  if found.hits is not None else {}),
         )
 
     def _commit(

@@ -20,7 +20,12 @@ Registered through ``router.plugins`` (no proxy change):
 ``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
 a request that cannot be rendered exactly (``RenderError`` of any kind) has no prompt,
 and the policy falls back to affinity; the replica still gets the request and answers
-for itself (a malformed request is the replica's 400 to give, not the router's).
+for itself (a malformed request is the replica's 400 to give, not the router's).  Two
+exceptions for large prompts (``router.prompt_bounds``, ``router.render_worker``): a
+prompt whose text alone cannot fit the model's context (``max_model_len``, configured or
+reported by the replicas' ``/v1/models``) is refused with vLLM's 400 before any
+tokenising, and a prompt with more than ``render_worker.offload_chars`` characters is
+rendered in a worker process within ``render_worker.budget_s`` (else affinity).
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ from router.kv_stack import check_index, instrumented_index
 from router.metrics import RemoteRenderCollector
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
+from router.prompt_bounds import max_chars_per_token, prompt_chars, too_long
+from router.render_worker import MemoBounds, RenderWorker
 from router.replica_registry import ReplicaRegistry
 from router.scoring import CostModel, ScoringWeights
 from router.scrape import MetricsScraper, ScrapeSample
@@ -78,8 +85,9 @@ class RegistryPrompts:
 
     With ``block_size_hint`` (auto models), a model the registry does not know is added
     on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed
-    with the block size the replicas report.  A model ``disabled`` says is off (its
-    replicas use another block size) has no prompt."""
+    with the block size the replicas report; only a model that ``served`` says a
+    replica lists is added (a client's made-up name creates no state).  A model
+    ``disabled`` says is off (its replicas use another block size) has no prompt."""
 
     def __init__(
         self,
@@ -88,11 +96,23 @@ class RegistryPrompts:
         remote: bool = True,
         block_size_hint: Callable[[], int | None] | None = None,
         disabled: Callable[[str], bool] | None = None,
+        served: Callable[[str], bool] = lambda model: False,
+        max_model_len: Callable[[str], int | None] = lambda model: None,
+        worker: RenderWorker | None = None,
     ) -> None:
         self.registry = registry
         self._remote = remote
         self._hint = block_size_hint
         self._disabled = disabled
+        self._served = served
+        self._max_model_len = max_model_len
+        self.worker = worker
+        # Per model with a local tokenizer: the most characters one token stands for.
+        self._chars_per_token: dict[str, int | None] = {}
+        for name in registry.models():
+            renderer = registry.resolve(name).renderer
+            if renderer is not None:
+                self._chars_per_token[name] = max_chars_per_token(renderer.files.tokenizer)
 
     async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt | None:
         """The engine's prompt for ``request``, or ``None`` (see the module docstring)."""
@@ -103,8 +123,17 @@ class RegistryPrompts:
         if model not in self.registry:
             if not self._learn(model):
                 return None
-        if self._disabled is not None and isinstance(model, str) and self._disabled(model):
+        assert isinstance(model, str)
+        chars = prompt_chars(request.endpoint, body)
+        refusal = too_long(request.endpoint, body, chars, self._chars_per_token.get(model),
+                           self._max_model_len(model))
+        if refusal is not None:
+            raise refusal  # cannot fit the context: vLLM's 400, without tokenising
+        if self._disabled is not None and self._disabled(model):
             return None  # its replicas use another block size (router.block_size_check)
+        if (self.worker is not None and self.worker.takes(chars)
+                and model in self._chars_per_token):
+            return await self.worker.render(request.endpoint, body)
         url = replica_url if self._remote else None
         try:
             if request.endpoint == "chat":
@@ -119,6 +148,8 @@ class RegistryPrompts:
     def _learn(self, model: object) -> bool:
         if self._hint is None or not self._remote or not isinstance(model, str) or not model:
             return False
+        if not self._served(model):
+            return False  # a client's name creates no state: only models replicas list
         block_size = self._hint()
         if block_size is None:
             return False
@@ -182,6 +213,14 @@ def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
     return [copy_fields(ModelSpec, m.model_dump(), loras=tuple(m.loras)) for m in s.models]
 
 
+def _memo_bounds(s: ScoringSettings) -> MemoBounds:
+    """The renderer registry's memo bounds (``scoring.prompt_memory``)."""
+    m = s.prompt_memory
+    return MemoBounds(max_cached_tokens=m.piece_cache_tokens,
+                      max_cached_words=m.word_cache_words, max_turn_bytes=m.turn_memo_bytes,
+                      max_key_nodes=m.key_memo_units)
+
+
 def _spec(ctx: PolicyContext, replica: ReplicaId) -> SourceSpec | None:
     """The event source of one member replica, or ``None`` if it is not ingested."""
     settings = ctx.settings
@@ -231,7 +270,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     """Build renderers, the KV stack and the scraper (see the module docstring)."""
     s = ctx.settings.scoring
     remote = RemoteRenderer(ctx.http, timeout_s=s.remote_render_timeout_s)
-    registry = RendererRegistry(_model_specs(s), remote=remote)
+    memos = _memo_bounds(s)
+    registry = RendererRegistry(_model_specs(s), remote=remote, **memos)
     remote_counters = RemoteRenderCollector(remote.stats)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index_metrics = IndexMetrics(ctx.metrics.registry)
@@ -260,9 +300,23 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
 
     sizes = BlockSizeCheck({m.name: m.block_size for m in s.models}, model_of=model_of,
                            base_of=base_of, mismatches=index_metrics.block_size_mismatch)
+    model_specs = {spec.name: spec for spec in _model_specs(s)}
+
+    def max_model_len(model: str) -> int | None:
+        """The configured context length, else the least the replicas report."""
+        spec = model_specs.get(model)
+        if spec is not None and spec.max_model_len is not None:
+            return spec.max_model_len
+        return ctx.replicas.max_model_len(model)
+
+    w = s.render_worker
+    worker = (RenderWorker(list(model_specs.values()), offload_chars=w.offload_chars,
+                           budget_s=w.budget_s, max_pending=w.max_pending, memos=memos)
+              if w.enabled else None)
     prompts = RegistryPrompts(registry, remote=s.remote_render,
                               block_size_hint=block_size_hint if s.auto_models else None,
-                              disabled=sizes.disabled)
+                              served=ctx.replicas.lists, max_model_len=max_model_len,
+                              worker=worker, disabled=sizes.disabled)
     tasks: list[asyncio.Task[Any]] = []
     ctx.metrics.registry.register(remote_counters)
     try:
@@ -309,6 +363,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
         if ingestion is not None:
             await ingestion.aclose()
         try:
+            if worker is not None:
+                await worker.aclose()
             await index.aclose()
         finally:
             index_metrics.close()

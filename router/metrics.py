@@ -56,7 +56,8 @@ __all__ = [
 _C = TypeVar("_C")
 
 Outcome = Literal[
-    "ok", "http_4xx", "http_5xx", "connect_error", "timeout", "midstream_error", "cancelled"
+    "ok", "http_4xx", "http_5xx", "connect_error", "bad_response", "timeout", "midstream_error",
+    "cancelled",
 ]
 """``router_upstream_requests_total{outcome}`` values."""
 

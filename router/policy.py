@@ -63,11 +63,20 @@ class Decision(Generic[TicketT]):
     """Debug output only (``/debug/route``, the debug log): no policy reads it back."""
     ticket: TicketT | None = None
     """The deciding policy's own state for ``record``; nobody else reads it."""
+    predicted_by_replica: Mapping[ReplicaId, int] = field(default_factory=dict)
+    """The prediction for each failover candidate too, so that an answer from a later
+    replica is described and checked against what was predicted for *it*."""
 
     @property
     def replica(self) -> ReplicaId:
         """The chosen replica."""
         return self.replicas[0]
+
+    def predicted_for(self, replica: ReplicaId) -> int | None:
+        """The cached tokens predicted for ``replica`` (``None``: no prediction)."""
+        if replica == self.replicas[0]:
+            return self.predicted_cached_tokens
+        return self.predicted_by_replica.get(replica)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,10 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    owns ``with lease(replica)`` and the upstream response in one block whose
    ``finally`` releases both, whatever happens (disconnect, cancel, error).  A connect
    error, a timeout or a 5xx **before the first byte** moves on to the next candidate
-   after a ``Backoff`` sleep; the last 5xx is passed through, the last connect error or
-   timeout becomes 502/504.
+   after a ``Backoff`` sleep; so does an answer that is not HTTP (a malformed status
+   line or headers: ``bad_response``); the last 5xx is passed through, the last connect
+   error, garbage answer or timeout becomes 502/504.  Connect errors and garbage
+   answers count against the replica's health (``health.passive_failures``).
 4. The client's response starts only with the upstream's first body chunk (so a failure
    before it can still fail over), then chunks are relayed as they arrive, never
    buffered.  After the first byte, an upstream failure ends the stream with a final
@@ -24,8 +26,10 @@ Per request (``Proxy.handle``, a raw ASGI handler, no Starlette Request/Response
    reported (``router.usage``).
 
 Response headers added: ``x-request-id``, ``x-kvroute-replica``, ``x-kvroute-reason``,
-``x-kvroute-predicted-cached-tokens`` (when the decision predicts); the ``x-kvroute-*``
-only for tenants allowed them.  With API keys, ``router.tenancy.Access`` runs first.
+``x-kvroute-predicted-cached-tokens`` (when the decision predicts), each describing the
+replica that answered: after a failover the reason is ``failover`` and the prediction
+is the one for that replica (``Decision.predicted_for``).  The ``x-kvroute-*`` headers go
+only to tenants allowed them.  With API keys, ``router.tenancy.Access`` runs first.
 
 Cost: the hot path is three coroutines deep (``handle``, ``_attempts``, ``_attempt``) and
 allocates little beyond what uvicorn and aiohttp need; the JSON parse of the body is its
@@ -62,7 +66,14 @@ from router.metrics import Outcome, RouterMetrics
 from router.plugins import PolicyRegistry
 from router.policy import Decision, Endpoint, Receipt, RouteRequest
 from router.replica_registry import ReplicaRegistry
-from router.request import ClientDisconnected, Incoming, parse_body, read_body, scan_headers
+from router.request import (
+    ClientDisconnected,
+    Incoming,
+    parse_body,
+    read_body,
+    scan_headers,
+    session_key,
+)
 from router.tenancy import Access, Tenant
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 
@@ -89,6 +100,10 @@ _RESP_HOP = frozenset({
     b"trailer", b"proxy-authenticate", b"x-request-id",
 })
 _CONNECT_ERRORS = (aiohttp.ClientConnectionError, OSError)
+# Bodies past this size let other requests run between being read and being parsed.
+_YIELD_BEFORE_PARSE_BYTES = 1 << 20
+# Failed attempts that count against the replica's health (passive health checking).
+_HEALTH_FAILURES = frozenset({"connect_error", "bad_response"})
 
 
 class _Retry(Exception):
@@ -235,6 +250,8 @@ class Proxy:
         """The request past authentication and admission (``tenant``: ``None`` without keys)."""
         try:
             body = await read_body(receive, self._limit, inc.content_length)
+            if len(body) > _YIELD_BEFORE_PARSE_BYTES:
+                await asyncio.sleep(0)  # joining and parsing megabytes: one step each
             parsed = parse_body(endpoint, body)
             session = inc.session or _user(parsed)
             if tenant is not None:  # its cache_salt (the policy sees it too), its sessions
@@ -243,12 +260,12 @@ class Proxy:
             if model is not None and not isinstance(model, str):
                 model = None
             route = RouteRequest(request_id, endpoint, scope["path"], model, parsed,
-                                 session, inc.policy)
+                                 session_key(session), inc.policy)
             policy = self._policies.get(inc.policy) if inc.policy else self._policies.default
             candidates, known = self._replicas.candidates(model)
             if not candidates:
                 if not known:
-                    raise UnknownModel(f"The model '{model}' does not exist")
+                    raise UnknownModel(self._replicas.unknown_model(model))
                 raise NoHealthyReplica("no healthy replica can serve this request",
                                        retry_after_s=self._retry_after)
             decision = await policy.route(route, candidates)
@@ -331,7 +348,7 @@ class Proxy:
                 return await self._attempt(call, replica, send, i == attempts - 1)
             except _Retry as retry:
                 self._metrics.upstream_requests.labels(replica, retry.outcome).inc()
-                if retry.outcome == "connect_error" and self._passive:
+                if retry.outcome in _HEALTH_FAILURES and self._passive:
                     self._replicas.record_probe(replica, False)
                 last_error = retry.error
         assert last_error is not None
@@ -369,6 +386,9 @@ class Proxy:
             except _CONNECT_ERRORS as exc:
                 raise _Retry(ReplicaUnavailable(f"cannot reach replica {replica}: {exc}"),
                              "connect_error") from exc
+            except aiohttp.ClientError as exc:  # not HTTP: a malformed status line, headers
+                raise _Retry(ReplicaUnavailable(f"replica {replica} answered garbage: "
+                                                f"{exc!r}"), "bad_response") from exc
             status = resp.status
             counted = False
             try:
@@ -435,10 +455,14 @@ class Proxy:
             return headers
         headers.append((b"x-kvroute-replica", self._b(replica)))
         decision: Decision = call.decision
-        headers.append((b"x-kvroute-reason", self._b(decision.reason)))
-        if decision.predicted_cached_tokens is not None:
-            headers.append((b"x-kvroute-predicted-cached-tokens",
-                            b"%d" % decision.predicted_cached_tokens))
+        if replica == decision.replicas[0]:
+            headers.append((b"x-kvroute-reason", self._b(decision.reason)))
+            predicted = decision.predicted_cached_tokens
+        else:  # a failover: describe the replica that answers, not the first choice
+            headers.append((b"x-kvroute-reason", b"failover"))
+            predicted = decision.predicted_for(replica)
+        if predicted is not None:
+            headers.append((b"x-kvroute-predicted-cached-tokens", b"%d" % predicted))
         return headers
 
     def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, ttfb: float) -> None:

@@ -37,6 +37,8 @@ HealthListener = Callable[[ReplicaId, bool], None]
 MembershipListener = Callable[[Literal["added", "removed"], ReplicaId], None]
 MemberState = Literal["healthy", "draining", "unhealthy"]
 _RETIRED_KEPT = 256
+_LISTED_MODELS = 20
+"""Models named in an unknown-model 404 (the full list is ``GET /v1/models``)."""
 
 
 @dataclass(slots=True)
@@ -188,6 +190,32 @@ class ReplicaRegistry:
                 if state.healthy and not state.draining:
                     healthy.append(state.id)
         return tuple(healthy), known
+
+    def served_models(self) -> list[str]:
+        """Every model some replica is known to serve (configured or discovered), sorted."""
+        return sorted({m for state in self._by_id.values() for m in state.models or ()})
+
+    def lists(self, model: str) -> bool:
+        """Whether some replica's known model list names ``model`` (a replica whose
+        models are unknown does not count: it proves nothing about a client's name)."""
+        return any(state.models is not None and model in state.models
+                   for state in self._by_id.values())
+
+    def max_model_len(self, model: str) -> int | None:
+        """The least ``max_model_len`` the replicas' ``/v1/models`` cards give ``model``."""
+        lengths = [card["max_model_len"] for state in self._by_id.values()
+                   for card in state.model_cards
+                   if card.get("id") == model and isinstance(card.get("max_model_len"), int)]
+        return min(lengths) if lengths else None
+
+    def unknown_model(self, model: str | None) -> str:
+        """The 404 message for ``model``: it names the models that are served."""
+        shown = model if model is None or len(model) <= 256 else model[:256] + "..."
+        served = self.served_models()
+        listed = ", ".join(served[:_LISTED_MODELS])
+        if len(served) > _LISTED_MODELS:
+            listed += f", ... ({len(served)} in all, see GET /v1/models)"
+        return (f"The model `{shown}` does not exist. Served models: {listed or 'none'}.")
 
     def record_probe(self, replica: ReplicaId, ok: bool) -> bool | None:
         """Apply one probe result; returns the new health on a transition, else ``None``."""

@@ -4,7 +4,8 @@ only the body fields the router needs.
 The body is parsed once with orjson into a dict (the policy's ``RouteRequest.body``);
 the original bytes are what goes upstream unless the router must add a field.  The
 required fields are checked per endpoint: chat needs a ``messages`` list, completions a
-``prompt``; anything else (types of the other fields, sampling parameters) is the
+``prompt``; the fields the router reads itself are validated as vLLM validates them
+(``router.validate``); anything else (sampling parameters, message content) is the
 replica's business and is not validated here.
 """
 
@@ -14,13 +15,22 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
+import xxhash
 
 from prompt.errors import InvalidCacheSalt
 from prompt.keyer import validate_cache_salt
 from router.errors import BadRequest, BodyTooLarge
 from router.policy import Endpoint
+from router.validate import validate_fields
 
-__all__ = ["ClientDisconnected", "Incoming", "parse_body", "read_body", "scan_headers"]
+__all__ = [
+    "ClientDisconnected",
+    "Incoming",
+    "parse_body",
+    "read_body",
+    "scan_headers",
+    "session_key",
+]
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
@@ -77,6 +87,16 @@ def scan_headers(
         if name not in _HOP:
             forward[name.decode("latin-1")] = value.decode("latin-1")
     return inc
+
+
+def session_key(raw: str | None) -> str | None:
+    """The router's key for a client-chosen session string (header or body ``user``):
+    a 128-bit hash, so what the router keeps per session (ring lookups, the session
+    table) is 32 characters whatever the client sent, and the raw string is never kept
+    or logged."""
+    if raw is None:
+        return None
+    return xxhash.xxh3_128_hexdigest(raw.encode("utf-8", "surrogatepass"))
 
 
 async def read_body(receive: Receive, limit: int, content_length: int | None) -> bytes:
@@ -136,5 +156,6 @@ def parse_body(endpoint: Endpoint, body: bytes) -> dict[str, Any] | None:
         try:
             validate_cache_salt(obj["cache_salt"])
         except InvalidCacheSalt as exc:
-            raise BadRequest(str(exc), code="invalid_cache_salt") from None
+            raise BadRequest(str(exc), code="invalid_cache_salt", param="cache_salt") from None
+    validate_fields(endpoint, obj)
     return obj

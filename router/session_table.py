@@ -6,8 +6,12 @@ was routed and when it finished, and the last prompt's tokens and shape (for
 turn land on the previous replica?), think time (gap between a turn finishing and the
 next arriving), and the age of a session's blocks on its replica (for the eviction term).
 
-Bounded: at most ``max_sessions`` sessions and ``max_token_bytes`` bytes of kept tokens
-(4 bytes per token); the least recently seen sessions go first.  Synchronous methods
+Bounded: at most ``max_sessions`` sessions and ``max_token_bytes`` bytes, counting each
+session's kept tokens (4 bytes per token), its prompt shape (16 bytes per message
+digest and role) and ``ENTRY_BYTES`` for the entry itself (the 32-character key, the
+state object, the slot); the least recently seen sessions go first.  Session keys are
+fixed-size hashes (``router.request.session_key``), so a client's string never grows
+an entry.  Synchronous methods
 only, so every update is atomic on the event loop.  Times are passed in.
 """
 
@@ -40,6 +44,16 @@ class SessionState:
     """The blocks the turn released when it finished (prompt and output)."""
 
 
+ENTRY_BYTES = 512
+"""What one session costs besides its tokens and shape: the key, the state, the slot."""
+
+
+def _size(state: SessionState) -> int:
+    shape = state.shape
+    return (len(state.tokens) + ENTRY_BYTES
+            + (16 * len(shape.messages) if shape is not None else 0))
+
+
 class SessionTable:
     """LRU of sessions, bounded in count and in kept token bytes."""
 
@@ -54,7 +68,7 @@ class SessionTable:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of token ids currently kept."""
+        """Bytes counted against ``max_token_bytes`` (tokens, shapes, entries)."""
         return self._bytes
 
     def get(self, key: str) -> SessionState | None:
@@ -78,7 +92,7 @@ class SessionTable:
                 old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns,
                 old.alloc_mark, old.free_mark, old.blocks_mark,
             )
-            self._bytes -= len(old.tokens)
+            self._bytes -= _size(old)
             old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
             old.finished_at = None
             old.alloc_mark = old.free_mark = old.blocks_mark = None
@@ -86,7 +100,7 @@ class SessionTable:
             self._s.move_to_end(key)
         else:
             self._s[key] = SessionState(replica, now, tokens, shape)
-        self._bytes += len(tokens)
+        self._bytes += _size(self._s[key])
         self._trim()
         return previous
 
@@ -114,4 +128,4 @@ class SessionTable:
             len(self._s) > self.max_sessions or self._bytes > self.max_token_bytes
         ):
             _, state = self._s.popitem(last=False)
-            self._bytes -= len(state.tokens)
+            self._bytes -= _size(state)

@@ -83,7 +83,7 @@ async def test_errors_do_not_disturb_streams_in_flight(
                 assert resp.status == status, (path, body[:40], await resp.text())
                 err = (await resp.json())["error"]
                 assert err["code"] == code
-                assert set(err) == {"message", "type", "code"}
+                assert set(err) == {"message", "type", "param", "code"}
                 assert resp.headers["x-request-id"]
         rest = await stream.read()
     assert first + rest == expected

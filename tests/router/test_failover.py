@@ -90,7 +90,7 @@ async def test_timeout_before_first_byte_fails_over_then_504(
         assert resp.status == 504
         body = await resp.json()
         assert body["error"]["code"] == "replica_timeout"
-        assert set(body["error"]) == {"message", "type", "code"}
+        assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_all_connect_errors_give_502(fakes: StartFakes, start_router: StartRouter,
@@ -134,7 +134,7 @@ async def test_mid_stream_failure_ends_with_sse_error(
     assert b"r0-0" in events[0] and b"r0-1" in events[1]
     last = orjson.loads(events[-1].removeprefix(b"data: "))
     assert last["error"]["code"] == "replica_failed"
-    assert set(last["error"]) == {"message", "type", "code"}
+    assert set(last["error"]) == {"message", "type", "param", "code"}
     metrics = await scrape(client, url)
     assert metrics[("router_upstream_requests_total",
                     _labels(replica=f"127.0.0.1:{fake.port}", outcome="midstream_error"))] == 1

@@ -11,6 +11,7 @@ import orjson
 from kvkeys.types import ReplicaId
 from router.plugins import PolicyContext
 from router.policy import Decision, Policy, Receipt, RouteRequest
+from router.request import session_key
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat
@@ -59,7 +60,7 @@ async def test_usage_chunk_injected_and_stripped(
     assert got == expected  # the client sees exactly what it asked for
     assert b'"usage"' not in got
     request, receipt = policy.receipts[-1]
-    assert request.session_key == "s1"
+    assert request.session_key == session_key("s1")  # hashed to fixed size
     assert receipt.ok and receipt.prompt_tokens == 11 and receipt.cached_tokens == 7
     assert receipt.ttfb_s is not None and receipt.ttfb_s > 0
 
@@ -75,7 +76,7 @@ async def test_client_asked_usage_is_kept(
         got = await resp.read()
     assert got == expected and b'"usage"' in got
     request, receipt = policy.receipts[-1]
-    assert request.session_key == "u"
+    assert request.session_key == session_key("u")
     assert (receipt.prompt_tokens, receipt.cached_tokens) == (11, 7)
 
 
