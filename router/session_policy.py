@@ -39,7 +39,7 @@ class SessionPolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ring = ring if ring is not None else AffinityRing()
-        self.sessions = sessions if sessions is not None else SessionTable(max_token_bytes=0)
+        self.sessions = sessions if sessions is not None else SessionTable()
         self._metrics = metrics
         self._clock = clock
 
