@@ -175,7 +175,7 @@ class Proxy:
         self._urls: dict[tuple[ReplicaId, str], URL] = {}
         self._bytes: dict[str, bytes] = {}
 
-    def _b(self, text: str) -> bytes:
+    def _latin1(self, text: str) -> bytes:
         """``text`` as latin-1 bytes, cached (replica ids and reasons: bounded sets)."""
         raw = self._bytes.get(text)
         if raw is None:
@@ -397,9 +397,9 @@ class Proxy:
         if length is not None:
             headers.append((b"content-length", b"%d" % length))
         headers.append((b"x-request-id", call.request_id.encode("latin-1")))
-        headers.append((b"x-kvroute-replica", self._b(replica)))
+        headers.append((b"x-kvroute-replica", self._latin1(replica)))
         decision: Decision = call.decision
-        headers.append((b"x-kvroute-reason", self._b(decision.reason)))
+        headers.append((b"x-kvroute-reason", self._latin1(decision.reason)))
         if decision.predicted_cached_tokens is not None:
             headers.append((b"x-kvroute-predicted-cached-tokens",
                             b"%d" % decision.predicted_cached_tokens))
