@@ -5,6 +5,8 @@ modules nor between our top-level packages (the layering itself is import-linter
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -138,3 +140,13 @@ def test_no_request_path_function_over_60_lines() -> None:
         if lines > MAX_FUNCTION_LINES
     }
     assert set(long) <= LONG_FUNCTIONS_ALLOWED, long
+
+
+def test_cli_import_stays_light() -> None:
+    """``kvroute --help`` imports the CLI only: no server, index or tokenizer library."""
+    heavy = ("tokenizers", "jinja2", "zmq", "redis", "aiohttp", "uvicorn", "starlette",
+             "prometheus_client", "numpy", "transformers")  # fmt: skip
+    code = f"import kvroute.cli, sys; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)  # fmt: skip
+    assert out.stdout.strip() == "[]"
