@@ -21,6 +21,7 @@ itself (a malformed request is the replica's 400 to give, not the router's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -198,9 +199,11 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
         try:
             yield KvServices(prompts, stack.index, horizon, scraper, ingestion)
         finally:
-            # Stop the scraper with the stack, not after every service has exited.
+            # Stop the scraper with the stack, not after every service has exited; a
+            # failure it ended with was logged by the task owner already.
             if task is not None:
-                await cancel_and_wait(task)
+                with contextlib.suppress(Exception):
+                    await cancel_and_wait(task)
 
 
 async def _await_live(
