@@ -3,7 +3,7 @@
 Prefix caching only helps a conversation when each prompt is an append-only extension of
 the previous one, token for token.  This module takes transcripts as the application
 sends them (one message list per turn), renders each turn exactly as the engine would
-(a ``ChatTokenizer``: the shared ``index`` renderer by default), and reports per turn:
+(a ``ChatTokenizer``: the shared ``prompt`` renderer by default), and reports per turn:
 
 * ``tokens``: the prompt's length;
 * ``shared``: tokens in common with the previous prompt (longest common prefix);

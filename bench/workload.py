@@ -149,11 +149,11 @@ class ThinkTime:
     def scaled(self, factor: float) -> ThinkTime:
         """The same shape with every duration multiplied by ``factor``."""
 
-        def s(d: Dist) -> Dist:
+        def scale(d: Dist) -> Dist:
             return replace(d, a=d.a * factor, b=d.b * factor if d.kind == "uniform" else d.b,
                            lo=d.lo * factor, hi=d.hi * factor)
 
-        return ThinkTime(s(self.body), s(self.tail), self.tail_share)
+        return ThinkTime(scale(self.body), scale(self.tail), self.tail_share)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,23 +1,18 @@
-"""Wiring of the KV-aware routing into the app: services and policy factories.
+"""Wiring of the KV-aware routing into the app: the ``kv`` service and policy factories.
 
-Registered through ``router.plugins`` (no proxy change):
+Registered through ``router.builtin_plugins`` (no proxy change):
 
-* service ``kv`` (``start_kv``): builds, in order, the renderers (``index`` registry of
+* service ``kv`` (``start_kv``): the renderers (a ``prompt`` registry of
   ``scoring.models``, with a replica ``/tokenize`` fallback; with ``auto_models`` a model
-  not listed is rendered by the replicas with the block size they report), the KV index
-  (``memory`` or ``redis`` per ``settings.index``, wrapped in ``InstrumentedIndex``), the
-  KV-event ingestion for every replica (its ``kv_events_endpoint``, else discovered at
-  ``/kv_event_sources`` when ``discover_kv_events``; one owned task whose ``BlockStored``
-  counts also feed the eviction-horizon estimator), and the ``/metrics`` scraper (one
-  owned task; its samples feed the load terms and the horizon).  The ``router_index_*``
-  and ``router_kv_events_*`` series (``router.index_metrics``) go on the app's registry
-  (``ctx.metrics.registry``): lookups and writes are timed, ingestion is observed, the
-  sources' statuses are read at scrape time and the per-replica block counts are
-  refreshed by one more owned task.  It yields a ``KvServices``; teardown cancels and
-  awaits those tasks, closes the index, then unregisters those series.
-* policy ``kv`` (``kv_factory``) and policy ``session`` (``session_factory``).
+  not listed is rendered by the replicas with the block size they report), the KV stack
+  (``router.kv_stack``: index, ingestion, block gauges; its ``BlockStored`` counts also
+  feed the eviction-horizon estimator) and the ``/metrics`` scraper (one owned task; its
+  samples feed the load terms and the horizon).  It yields a ``KvServices``; teardown
+  stops the scraper, then the stack.
+* policy ``kv`` (``kv_factory``, its numbers from ``kv_config``) and policy ``session``
+  (``session_factory``).
 
-``RegistryPrompts`` adapts ``index.RendererRegistry`` to the policy's ``PromptSource``:
+``RegistryPrompts`` adapts the renderer registry to the policy's ``PromptSource``:
 a request that cannot be rendered exactly (``RenderError`` of any kind) has no prompt,
 and the policy falls back to affinity; the replica still gets the request and answers
 for itself (a malformed request is the replica's 400 to give, not the router's).  Two
@@ -81,7 +76,7 @@ _log = logging.getLogger(__name__)
 
 
 class RegistryPrompts:
-    """``PromptSource`` over an ``index`` renderer registry.
+    """``PromptSource`` over a ``prompt`` renderer registry.
 
     With ``block_size_hint`` (auto models), a model the registry does not know is added
     on first sight without a tokenizer, so replicas render it (``/tokenize``), keyed

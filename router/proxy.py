@@ -202,7 +202,7 @@ class Proxy:
         for key in [k for k in self._urls if k[0] == replica]:
             del self._urls[key]
 
-    def _b(self, text: str) -> bytes:
+    def _latin1(self, text: str) -> bytes:
         """``text`` as latin-1 bytes, cached (replica ids and reasons: bounded sets)."""
         raw = self._bytes.get(text)
         if raw is None:
@@ -453,10 +453,10 @@ class Proxy:
         headers.append((b"x-request-id", call.request_id.encode("latin-1")))
         if not call.routing_headers:  # untrusted tenant: they are a cache-hit oracle
             return headers
-        headers.append((b"x-kvroute-replica", self._b(replica)))
+        headers.append((b"x-kvroute-replica", self._latin1(replica)))
         decision: Decision = call.decision
         if replica == decision.replicas[0]:
-            headers.append((b"x-kvroute-reason", self._b(decision.reason)))
+            headers.append((b"x-kvroute-reason", self._latin1(decision.reason)))
             predicted = decision.predicted_cached_tokens
         else:  # a failover: describe the replica that answers, not the first choice
             headers.append((b"x-kvroute-reason", b"failover"))

@@ -24,7 +24,6 @@ from typing import Any
 
 from aiohttp import web
 
-from aio.cancel import cancel_and_wait
 from replica.sim.endpoints import Endpoints
 from replica.sim.engine import EngineConfig, SimEngine
 from replica.sim.event_sink import PublisherSink
@@ -127,7 +126,11 @@ class SimServer:
             await runner.cleanup()
         task, self._engine_task = self._engine_task, None
         if task is not None and not task.done():  # a dead engine was reported already
-            await cancel_and_wait(task)
+            task.cancel()
+            # Suppressed even while our own caller is cancelled: the publisher below must
+            # still be closed.
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.publisher is not None:
             await self.publisher.aclose()
 

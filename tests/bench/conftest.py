@@ -18,5 +18,5 @@ def llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_tokenizer(llama3_dir: Path) -> ChatTokenizer:
-    """The shared ``index`` renderer over the tiny Llama-3-style tokenizer."""
+    """The shared ``prompt`` renderer over the tiny Llama-3-style tokenizer."""
     return LocalChatTokenizer(llama3_dir)
