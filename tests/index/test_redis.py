@@ -40,7 +40,7 @@ def ek(keys: list[RequestKey]) -> list[EngineKey]:
     return [EngineKey(k ^ 0xABCDEF) for k in keys]
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
@@ -156,7 +156,7 @@ def paused(pid: int) -> Iterator[None]:
         os.kill(pid, signal.SIGCONT)
 
 
-async def recovered(idx: RedisIndex, keys: list[RequestKey], timeout: float = 5.0) -> int:
+async def recovered(idx: RedisIndex, keys: list[RequestKey], timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         try:

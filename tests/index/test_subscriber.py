@@ -57,7 +57,7 @@ async def held(index: InMemoryIndex, seed: int, blocks: int = 3) -> int:
     return (await index.lookup(keys)).blocks(R)
 
 
-async def eventually(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
         if asyncio.get_running_loop().time() > deadline:

@@ -22,7 +22,7 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
     c.destroy(linger=0)
 
 
-async def recv(sock: zmq.asyncio.Socket, timeout: float = 5.0) -> list[bytes]:
+async def recv(sock: zmq.asyncio.Socket, timeout: float = 10.0) -> list[bytes]:
     async with asyncio.timeout(timeout):
         frames: list[bytes] = await sock.recv_multipart()
         return frames

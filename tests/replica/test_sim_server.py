@@ -195,8 +195,28 @@ async def test_metrics_and_event_sources(sim: SimHandle, http: aiohttp.ClientSes
     assert cfg["enable_kv_cache_events"] is True
 
 
+async def _subscribe(sub: zmq.asyncio.Socket, endpoint: str) -> None:
+    """Connect ``sub`` (its subscriptions already set) and return once the ZMTP handshake
+    with the publisher is done, plus a moment for the subscription to reach it: PUB
+    drops what it sends before then (the slow joiner).  Waiting for the handshake instead
+    of a fixed time keeps a loaded machine's slow connect from losing the first event."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        while True:
+            event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                break
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+    await asyncio.sleep(0.2)
+
+
 async def _recv(sub: zmq.asyncio.Socket) -> list[bytes]:
-    frames: list[bytes] = await asyncio.wait_for(sub.recv_multipart(), 5)
+    frames: list[bytes] = await asyncio.wait_for(sub.recv_multipart(), 10)
     return frames
 
 
@@ -209,8 +229,7 @@ async def test_events_on_a_real_sub_socket_and_replay(
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@sim")
         assert sim.kv_events_endpoint and sim.replay_endpoint
-        sub.connect(sim.kv_events_endpoint)
-        await asyncio.sleep(0.2)  # slow joiner
+        await _subscribe(sub, sim.kv_events_endpoint)
         body = _chat(LONG_TEXT, cache_salt="tenant-1", max_tokens=1)  # one step, one batch
         async with http.post(f"{sim.url}/tokenize", json=body) as resp:
             prompt = (await resp.json())["tokens"]
@@ -261,8 +280,7 @@ async def test_legacy_encoding_option(tokenizer_dir: Path, http: aiohttp.ClientS
         try:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             assert handle.kv_events_endpoint
-            sub.connect(handle.kv_events_endpoint)
-            await asyncio.sleep(0.2)
+            await _subscribe(sub, handle.kv_events_endpoint)
             async with http.post(f"{handle.url}/v1/chat/completions",
                                  json=_chat(LONG_TEXT)) as resp:
                 assert resp.status == 200
@@ -320,8 +338,7 @@ async def test_fault_dropped_events_leave_a_gap_replay_fills(
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         assert sim.kv_events_endpoint and sim.replay_endpoint
-        sub.connect(sim.kv_events_endpoint)
-        await asyncio.sleep(0.2)
+        await _subscribe(sub, sim.kv_events_endpoint)
         await _set_faults(http, sim.url, drop_events=1)
         for text in (LONG_TEXT, "another prompt " * 20):
             async with http.post(f"{sim.url}/v1/chat/completions",
@@ -343,10 +360,23 @@ async def test_fault_crash_drops_the_replica(tokenizer_dir: Path) -> None:
     async with start_sim(tokenizer_dir, model=MODEL, time_scale=0.01) as handle, \
             aiohttp.ClientSession(timeout=TIMEOUT) as http:
         await _set_faults(http, handle.url, crash=True)
-        await asyncio.sleep(0.2)
-        with pytest.raises(aiohttp.ClientConnectionError):
-            async with http.get(f"{handle.url}/health") as resp:
-                await resp.read()
+        # the replica goes away: its port refuses connections (polled: a loaded machine
+        # may take a moment to tear it down), and never answers again
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        fresh = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=TIMEOUT, connector=fresh) as probe:
+            while True:
+                try:
+                    async with probe.get(f"{handle.url}/health") as resp:
+                        await resp.read()
+                except aiohttp.ClientConnectionError:
+                    break
+                assert loop.time() < deadline, "the crashed replica still answers"
+                await asyncio.sleep(0.05)
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with probe.get(f"{handle.url}/health") as resp:
+                    await resp.read()
 
 
 async def test_lora_adapter_is_served_and_isolated(
@@ -381,8 +411,7 @@ async def test_cpu_offload_events_and_host_hits(
         try:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             assert handle.kv_events_endpoint
-            sub.connect(handle.kv_events_endpoint)
-            await asyncio.sleep(0.2)
+            await _subscribe(sub, handle.kv_events_endpoint)
             first = _chat(LONG_TEXT, max_tokens=1)
             other = _chat("unrelated words " * 40, max_tokens=1)  # ~410 tokens
             for body in (first, other, first):  # ~430 + ~410 tokens > 640 in the pool

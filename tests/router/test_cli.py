@@ -41,7 +41,7 @@ def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) ->
     assert info.value.code == 0
     out = capsys.readouterr().out
     for option in ("--host", "--port", "--replica", "--config", "--policy", "--log-level",
-                   "KVROUTE_"):
+                   "--max-body-bytes", "max_body_bytes", "KVROUTE_"):
         assert option in out
     assert out.count("URL") >= 2
 
@@ -54,6 +54,7 @@ def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) ->
         (["--replica", "http://127.0.0.1:1"], {"KVROUTE_TIMEOUTS__CONNECT_S": "x"},
          "timeouts.connect_s"),
         ([], {}, "replicas"),
+        (["--replica", "http://127.0.0.1:1", "--max-body-bytes", "0"], {}, "max_body_bytes"),
     ],
 )
 def test_serve_rejects_bad_config(argv: list[str], env: dict[str, str], needle: str,
