@@ -63,6 +63,8 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--fault-slow-first-token", type=float, default=0.0, metavar="SECONDS")
     p.add_argument("--fault-error-status", type=int, default=None)
     p.add_argument("--fault-drop-events", type=int, default=0, metavar="N")
+    p.add_argument("--fault-corrupt-events", type=int, default=0, metavar="N",
+                   help="publish the next N storing event batches with a malformed event")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run_sim)
 
