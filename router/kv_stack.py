@@ -134,7 +134,7 @@ async def start_ingestion(
         lease=lease,
     )
     if metrics is not None:
-        metrics.watch_sources(ingestion.statuses)
+        metrics.watch_sources(ingestion.statuses, ingestion.health)
     task = asyncio.create_task(ingestion.run(), name="kv-ingestion")
     try:
         yield ingestion
