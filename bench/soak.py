@@ -14,8 +14,10 @@ and about one streamed request in ten is abandoned by its client after the first
 
 Then the faults stop, the soak waits until ``/ready`` reports every event source live
 (``recovered_after_s``), and fresh conversations measure whether predictions are exact
-again: each later turn's ``x-kvroute-predicted-cached-tokens`` against the replica's
-``cached_tokens`` (``exact_after_recovery``, ``over_after_recovery``).
+again: once the router's dry-run prediction for a later turn has settled (within
+``settle_timeout_s``: the previous turn's events arrived), that turn's
+``x-kvroute-predicted-cached-tokens`` against the replica's ``cached_tokens``
+(``exact_after_recovery``, ``over_after_recovery``).
 
 The report counts requests ``sent``, ``completed``, ``failed_over`` (the router's
 ``router_failovers_total``), ``mid_stream_errors`` (streams past their first byte that
@@ -60,7 +62,15 @@ class SoakSpec:
     sample_interval_s: float = 5.0
     recovery_timeout_s: float = 60.0
     recovery_conversations: int = 4
+    recovery_pause_s: float = 0.5
+    """A user's pause between turns after recovery."""
+    settle_timeout_s: float = 10.0
+    """After recovery, the N seconds within which the router's prediction for the next
+    turn must settle (two equal dry runs, ``/debug/route``, 0.5 s apart) before the turn
+    is sent and its prediction compared with the replica's cached tokens."""
     abandon_share: float = 0.1
+    faults: tuple[str, ...] = FAULTS
+    """The faults injected, in turn (a subset of ``FAULTS``)."""
     seed: int = 0
 
 
@@ -131,6 +141,21 @@ class _Client:
         messages.append({"role": "assistant", "content": reply or "ok"})
         return (int(pred) if pred is not None else None), cached
 
+    async def settle(self, messages: list[dict[str, str]], timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the router's dry-run prediction for these
+        messages stops changing: the last turn's KV events have been applied."""
+        body = {"model": self._model, "messages": messages, "max_tokens": 16}
+        loop = asyncio.get_running_loop()
+        deadline, last = loop.time() + timeout_s, None
+        while loop.time() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with self._http.post(self._url + "/debug/route", json=body) as resp:
+                    now = (await resp.json()).get("predicted_cached_tokens")
+                if now is not None and now == last:
+                    return
+                last = now
+            await asyncio.sleep(0.5)
+
     @staticmethod
     async def _read(resp: aiohttp.ClientResponse, abandon: bool
                     ) -> tuple[str, int | None, bool]:  # fmt: skip
@@ -178,7 +203,7 @@ async def _faults(fleet: SoakFleet, spec: SoakSpec, report: SoakReport, stop: as
             await asyncio.wait_for(stop.wait(), spec.fault_interval_s)
         if stop.is_set():
             return
-        kind, victim = FAULTS[k % len(FAULTS)], k % n
+        kind, victim = spec.faults[k % len(spec.faults)], k % n
         if kind == "replica_kill":
             await fleet.kill_replica(victim)
             await asyncio.sleep(3.0)
@@ -230,8 +255,10 @@ async def _check_predictions(client: _Client, spec: SoakSpec, report: SoakReport
     for c in range(spec.recovery_conversations):
         messages = [_system(10**6 + c)]
         for t in range(3):
-            await asyncio.sleep(0.5)  # a user's pause: the last turn's events arrive
+            await asyncio.sleep(spec.recovery_pause_s)
             messages.append({"role": "user", "content": f"Follow-up {t}: " + "how " * (4 + t)})
+            if t:
+                await client.settle(messages, spec.settle_timeout_s)
             got = await client.turn(messages, may_abandon=False)
             if got is None:
                 messages.pop()
@@ -308,6 +335,7 @@ def register(bench: argparse._SubParsersAction[Any]) -> None:
                    help="tokenizer directory (default: build the tiny one in --out)")
     p.add_argument("--out", type=Path, default=Path("kvroute-soak-out"),
                    help="where soak.json and the processes' logs go")
+    p.add_argument("--faults", default=",".join(FAULTS), help="the faults injected, in turn")
     p.add_argument("--seed", type=int, default=0, help="seeds the clients' choices")
 
 
@@ -321,11 +349,19 @@ async def main(args: argparse.Namespace, say: Callable[[str], None]) -> SoakRepo
     spec = SoakSpec(
         SoakFleetSpec(tokenizer, replicas=args.replicas, log_dir=out / "logs"),
         duration_s=args.duration, conversations=args.conversations,
-        fault_interval_s=args.fault_interval, seed=args.seed,
+        fault_interval_s=args.fault_interval, seed=args.seed, faults=_faults_arg(args.faults),
     )  # fmt: skip
     report = await run_soak(spec, say=say)
     (out / "soak.json").write_text(report.to_json())
     return report
+
+
+def _faults_arg(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in FAULTS]
+    if unknown or not kinds:
+        raise SystemExit(f"kvroute bench soak: --faults takes some of {', '.join(FAULTS)}")
+    return kinds
 
 
 def passed(report: SoakReport) -> bool:
