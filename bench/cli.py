@@ -184,6 +184,11 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_bench_compare)
 
+    from bench import soak
+
+    soak.register(bsub)
+    bsub.choices["soak"].set_defaults(func=_bench_soak)
+
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
     from bench.workload import PRESETS
@@ -347,6 +352,19 @@ def _bench_compare(args: argparse.Namespace) -> int:
         return 130
     print(doc)
     return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from bench.soak import main, passed
+
+    try:
+        report = _run(main(args, say=_say))
+    except KeyboardInterrupt:
+        print("kvroute bench soak: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 130
+    print(report.to_json())
+    return 0 if passed(report) else 1
 
 
 # ---- check-prompts -------------------------------------------------------------------

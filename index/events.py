@@ -1,14 +1,10 @@
 """vLLM KV cache events on the wire: typed structs, a tolerant decoder, exact encoders.
 
-Two sets of types live here, on purpose:
+Two sets of types meet here, on purpose:
 
 * **Wire structs** (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
-  ``KVEventBatch``) mirror ``vllm/distributed/kv_events.py`` of vLLM 0.32/0.33 field for
-  field, in declaration order, with the same msgspec options.  ``encode_batch`` therefore
-  produces vLLM's exact bytes (tagged maps, fields equal to their default omitted, the
-  outer batch a positional array of all three elements), and ``encode_batch_legacy``
-  produces the tagged-array form of vLLM <= 0.23 (every field of the 0.23 layout present,
-  positional).  The simulated replica and the tests publish with these.
+  ``KVEventBatch``) and the exact encoders live in ``index.event_wire`` and are
+  re-exported here: vLLM's own classes, field for field.
 * **Decoded events** (``StoredEvent``, ``RemovedEvent``, ``ClearedEvent`` in a
   ``DecodedBatch``) are what ingestion consumes: block hashes are normalised to unsigned
   64-bit ints (``EngineKey``), ``bytes`` hashes become ``int.from_bytes(b[-8:], "big")``
@@ -26,7 +22,7 @@ Decoding contract (``decode_batch``):
 * An event with an unknown tag is skipped and counted in ``DecodedBatch.ignored``.
 * A known event that does not fit is replaced, in place, by an ``InvalidEvent`` naming
   the field at fault (ingestion drops and counts it; the rest of the batch goes on):
-  a field of the wrong type or shape; a block hash that is neither an int nor 8 to 64
+  a field of the wrong type or shape; a block hash that is neither a 64-bit int nor 1 to 64
   bytes; a ``BlockStored`` token id outside ``[0, 2**32)`` (what ``kvkeys.keys`` hashes);
   for the indexed group (``group_idx`` 0 or absent, full or MLA attention), token ids
   that are not ``block_size * len(block_hashes)`` or a ``block_size`` outside
@@ -52,6 +48,15 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from index.event_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    encode_batch_legacy,
+)
 from kvkeys.types import EngineKey, Medium
 
 __all__ = [
@@ -84,140 +89,6 @@ thousand tokens)."""
 
 INDEXED_KINDS: Final = frozenset({None, "full_attention", "mla_attention"})
 """``kv_cache_spec_kind`` values of the group the index keeps (with ``group_idx`` 0)."""
-
-# --------------------------------------------------------------------------- wire structs
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """vLLM's ``EventBatch``: always a positional array ``[ts, events, dp_rank]``."""
-
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """vLLM's ``KVCacheEvent`` base: tagged by class name, defaults omitted (>= 0.24)."""
-
-
-class BlockStored(_KVCacheEvent):
-    """vLLM 0.32's ``BlockStored``, field for field.
-
-    0.33's extra ``lookahead_token_ids`` is left out on purpose: msgspec sizes a struct's
-    map header by its field count, so a 16th key would turn 0.32's ``fixmap`` header into
-    a ``map16`` and the bytes would no longer match 0.32's."""
-
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(_KVCacheEvent):
-    """vLLM's ``BlockRemoved``."""
-
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_KVCacheEvent):
-    """vLLM's ``AllBlocksCleared``: the replica (DP rank) dropped its whole prefix cache."""
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(EventBatch):
-    """vLLM's ``KVEventBatch``: one engine step's events."""
-
-    events: list[KVEvent]
-
-
-# Legacy (<= 0.23) tagged arrays.  The 0.22/0.23 layout, the longest array form.
-
-
-class _LegacyEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
-    pass
-
-
-class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _LegacyBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-_encoder: Final = msgspec.msgpack.Encoder()
-
-
-def encode_batch(batch: KVEventBatch) -> bytes:
-    """vLLM >= 0.24 bytes (tagged maps), identical to ``msgspec.msgpack.Encoder().encode``
-    of vLLM's own ``KVEventBatch`` with the same values."""
-    return _encoder.encode(batch)
-
-
-def encode_batch_legacy(batch: KVEventBatch) -> bytes:
-    """vLLM 0.22/0.23 bytes: every event a tagged positional array with all its fields."""
-    legacy: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared] = []
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            legacy.append(
-                _LegacyBlockStored(
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ev.token_ids,
-                    ev.block_size,
-                    ev.lora_id,
-                    ev.medium,
-                    ev.lora_name,
-                    ev.extra_keys,
-                    ev.group_idx,
-                    ev.kv_cache_spec_kind,
-                    ev.kv_cache_spec_sliding_window,
-                )
-            )
-        elif isinstance(ev, BlockRemoved):
-            legacy.append(_LegacyBlockRemoved(ev.block_hashes, ev.medium, ev.group_idx))
-        else:
-            legacy.append(_LegacyAllBlocksCleared())
-    return _encoder.encode(_LegacyBatch(batch.ts, legacy, batch.data_parallel_rank))
-
 
 # ------------------------------------------------------------------------ decoded events
 

@@ -166,7 +166,10 @@ class RedisIndex:
         self._built: dict[ReplicaId, str] = {}
         """Per replica, the epoch its entries were (re)built in through this client."""
         self._epoch_check = epoch_check_s
-        self._seen_epoch: tuple[float, str | None] = (-1e18, None)
+        self._epoch_read_at = -1e18
+        self._epoch_seen: str | None = None
+        """The epoch ``stale`` last read (``_epoch_known``: it did read one)."""
+        self._epoch_known = False
 
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 0.05, **kwargs: object) -> RedisIndex:
@@ -251,7 +254,6 @@ class RedisIndex:
         self._epoch = None
         self._names, self._bits, self._names_epoch = [], {}, None
         self._names_at = -1e18
-        self._seen_epoch = (-1e18, None)
 
     async def stale(self, replica: ReplicaId) -> bool:
         """Whether ``replica``'s entries, built through this client, were lost to a reset
@@ -260,18 +262,16 @@ class RedisIndex:
         built = self._built.get(replica)
         if built is None:
             return False
-        at, epoch = self._seen_epoch
         now = self._clock()
-        if now - at >= self._epoch_check:
+        if now - self._epoch_read_at >= self._epoch_check:
+            self._epoch_read_at = now  # at most one attempt per period, failed or not
             raw = await self._call(
                 lambda: self._r.hget(f"{self.ns}:meta", "epoch"), self._op_timeout
             )
-            epoch = _text(raw)
-            self._seen_epoch = (now, epoch)
-            if epoch != self._epoch and self._epoch is not None:
+            self._epoch_seen, self._epoch_known = _text(raw), True
+            if self._epoch is not None and self._epoch_seen != self._epoch:
                 self._reset_seen()
-                self._seen_epoch = (now, epoch)
-        return epoch != built
+        return self._epoch_known and self._epoch_seen != built
 
     async def _refresh_names(self) -> None:
         async def read() -> list[object]:

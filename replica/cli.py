@@ -74,6 +74,9 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
                    help="fault injection: answer every completion with this HTTP status")
     p.add_argument("--fault-drop-events", type=int, default=0, metavar="N",
                    help="fault injection: drop N KV-event batches (a sequence gap)")
+    p.add_argument("--fault-corrupt-events", type=int, default=0, metavar="N",
+                   help="fault injection: publish the next N storing event batches with a "
+                   "malformed event")
     p.add_argument("--log-level", default="info", help="log level")
     p.set_defaults(func=_run_sim)
 

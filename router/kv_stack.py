@@ -173,7 +173,7 @@ async def open_kv_stack(
                     index, specs, http=http, lease=lease,
                     observer=FanOutObserver(observer, events) if observer else events,
                 )  # fmt: skip
-                metrics.watch_sources(ingestion.statuses)
+                metrics.watch_sources(ingestion.statuses, ingestion.health)
                 tasks.spawn(ingestion.run(), name="kv-events")
             sources = ingestion.sources if ingestion is not None else {}
             replicas = gauge_replicas or (lambda: list(sources))

@@ -4,7 +4,8 @@
 ``KVEventPublisher`` (vLLM's framing, sequence numbers and replay socket).  GPU events
 carry ``group_idx=0`` and ``kv_cache_spec_kind="full_attention"`` like a plain
 full-attention model's; ``lora_id`` is always ``None`` (the sim has no adapter ids).
-The ``drop_events`` fault is applied here, through the publisher's ``drop_next``.
+The ``drop_events`` fault is applied here, through the publisher's ``drop_next``, and so
+is ``corrupt_events`` (a token id of -1 in the batch's first ``BlockStored``).
 """
 
 from __future__ import annotations
@@ -56,4 +57,10 @@ class PublisherSink:
         if faults.drop_events > 0:
             faults.drop_events -= 1
             self.publisher.drop_next(1)
-        await self.publisher.publish([to_wire(e) for e in events])
+        wire = [to_wire(e) for e in events]
+        if faults.corrupt_events > 0:
+            stored = next((w for w in wire if isinstance(w, BlockStored) and w.token_ids), None)
+            if stored is not None:
+                faults.corrupt_events -= 1
+                stored.token_ids = [-1, *stored.token_ids[1:]]
+        await self.publisher.publish(wire)

@@ -11,6 +11,9 @@ of the fields below) and the ``--fault-*`` flags set it, ``GET /sim/faults`` rea
   (vLLM's error body), ``error_count`` times (``None``: until cleared).
 * ``drop_events``: the next N event batches are not sent live (they stay in the replay
   buffer, so a subscriber sees a sequence gap it can fill by replay).
+* ``corrupt_events``: the next N event batches that store blocks are published with a
+  malformed ``BlockStored`` (a token id of -1, which no tokenizer produces), live and in
+  the replay buffer, as a buggy or hostile publisher would.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Faults:
     error_status: int | None = None
     error_count: int | None = None
     drop_events: int = 0
+    corrupt_events: int = 0
 
     def update(self, spec: Mapping[str, Any]) -> None:
         """Apply a partial update (``POST /sim/faults``)."""
@@ -51,9 +55,9 @@ class Faults:
             elif name == "error_count":
                 if value is not None and (not isinstance(value, int) or value < 0):
                     raise FaultSpecError("error_count must be an integer >= 0 or null")
-            elif name == "drop_events":
-                if not isinstance(value, int) or value < 0:
-                    raise FaultSpecError("drop_events must be an integer >= 0")
+            elif name in ("drop_events", "corrupt_events"):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise FaultSpecError(f"{name} must be an integer >= 0")
             else:
                 raise FaultSpecError(f"unknown fault {name!r}")
             setattr(self, name, value)

@@ -43,6 +43,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         slow_first_token_s=args.fault_slow_first_token,
         error_status=args.fault_error_status,
         drop_events=args.fault_drop_events,
+        corrupt_events=args.fault_corrupt_events,
     )
     return SimSettings(
         model=args.model,

@@ -211,6 +211,27 @@ async def test_killed_redis_fails_fast_and_reconnects(redis_server_factory: Any)
         await idx.aclose()
 
 
+async def test_stale_names_the_replicas_a_reset_took(redis_server_factory: Any) -> None:
+    server = redis_server_factory(None)
+    idx = RedisIndex.from_url(server.url, key_prefix="kvt", op_timeout_s=0.2, epoch_check_s=0)
+    try:
+        keys = chain(2)
+        assert not await idx.stale(A)  # nothing written through this client
+        await idx.add(A, ek(keys), keys)
+        assert not await idx.stale(A) and not await idx.stale(B)
+        server.stop()
+        with pytest.raises(IndexUnavailable):
+            await idx.stale(A)  # unknown is not stale: the caller keeps going
+        redis_server_factory(server.port)  # back, empty
+        assert await idx.stale(A)
+        await idx.clear(A)  # the rebuild
+        assert not await idx.stale(A)
+        await idx.add(A, ek(keys), keys)
+        assert (await idx.lookup(keys)).blocks(A) == 2
+    finally:
+        await idx.aclose()
+
+
 def tokens(seed: int) -> list[int]:
     return [seed * 1000 + i for i in range(8)]
 

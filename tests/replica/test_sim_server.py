@@ -356,6 +356,33 @@ async def test_fault_dropped_events_leave_a_gap_replay_fills(
         ctx.term()
 
 
+async def test_fault_corrupted_events_carry_a_malformed_store(
+    sim: SimHandle, http: aiohttp.ClientSession
+) -> None:
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        assert sim.kv_events_endpoint
+        sub.connect(sim.kv_events_endpoint)
+        await asyncio.sleep(0.2)
+        await _set_faults(http, sim.url, corrupt_events=1)
+        for text in (LONG_TEXT, "another prompt " * 20):
+            async with http.post(f"{sim.url}/v1/chat/completions",
+                                 json=_chat(text, max_tokens=1)) as resp:
+                assert resp.status == 200
+        first = decode_batch((await _recv(sub))[2]).events
+        second = decode_batch((await _recv(sub))[2]).events
+        bad = [ev for ev in first if isinstance(ev, InvalidEvent)]
+        assert [(ev.kind, ev.field) for ev in bad] == [("BlockStored", "token_ids")]
+        assert not any(isinstance(ev, InvalidEvent) for ev in second)  # once only
+        async with http.get(f"{sim.url}/sim/faults") as resp:
+            assert (await resp.json())["corrupt_events"] == 0
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
 async def test_fault_crash_drops_the_replica(tokenizer_dir: Path) -> None:
     async with start_sim(tokenizer_dir, model=MODEL, time_scale=0.01) as handle, \
             aiohttp.ClientSession(timeout=TIMEOUT) as http:
