@@ -30,14 +30,18 @@ Chat (``/v1/chat/completions``), in vLLM's order:
    configures tokenizers of generative models, keeping the special tokens it adds; or
    a plain slice when the request gives ``truncation_side``).
 
-The next turn of a conversation redoes only what is new (``prompt.turns``): messages
-already built are taken from the remembered turn, the template's message loop renders
-only new messages (``prompt.message_loop``; templates it cannot prove message-local
-are rendered whole), the text is cut only past what it shares with the previous text
-(``SegmentEncoder.split``), its new pieces are encoded word by word where that is exact
-(``prompt.words``) and ``Tokenized.key_resume`` lets the keyer start where the previous
-prompt's shared segments left it.  Each shortcut is exact by construction,
-and the result equals rendering and encoding the whole request (property tests).
+``ModelRenderer.render_chat`` chains the stages in one place: body -> messages ->
+text -> ids -> keys.  Each stage is a function of its input and of the conversation's
+previous prompt (``prompt.conversation.CachedPrompt``), and the new prompt is
+remembered once every stage has run.  The next turn of a conversation so redoes only
+what is new: messages already built are taken from the previous prompt, the
+template's message loop renders only new messages (``prompt.message_loop``; templates
+it cannot prove message-local are rendered whole), the text is cut only past what it
+shares with the previous text (``SegmentEncoder.split``), its new pieces are encoded
+word by word where that is exact (``prompt.words``), and the keys continue from the
+previous prompt's shared pieces (``PromptKeyer.trail``).  Each shortcut is exact by
+construction, and the result equals rendering and encoding the whole request
+(property tests).
 
 Completions (``/v1/completions``): ``prompt`` is a string, a list of ids, a list of
 strings or a list of id lists; each becomes one :class:`Tokenized`.  ``prompt_embeds``
@@ -57,14 +61,24 @@ from typing import Any, Literal
 
 import jinja2
 
+from kvkeys.types import RequestKey
 from prompt.chat_messages import Message, build_conversation, convert_developer_role
+from prompt.conversation import (
+    DEFAULT_MAX_TURN_BYTES,
+    CachedPrompt,
+    ConversationMemo,
+)
 from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
-from prompt.keyer import KeyResume, KeyTrail
+from prompt.keyer import KeyContext, PromptKeyer
 from prompt.message_loop import LoopFallback, LoopRecord, message_loops
-from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, TextSplit
-from prompt.template_env import compile_template, detect_content_format, template_variables
+from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder
+from prompt.template_env import (
+    ContentFormat,
+    compile_template,
+    detect_content_format,
+    template_variables,
+)
 from prompt.tokenizer import TokenizerFiles
-from prompt.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
 
 ContentFormatOption = Literal["auto", "string", "openai"]
 
@@ -117,13 +131,21 @@ class RenderOptions:
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     """Token ids of one prompt; ``segments`` is ``None`` when they were truncated (the
-    pieces no longer add up to the ids, so keys are computed from the ids)."""
+    pieces no longer add up to the ids, so keys are computed from the ids).  Read-only:
+    the lists may be the conversation's cached prompt's."""
 
     token_ids: list[int]
     segments: list[Segment] | None
-    key_resume: KeyResume | None = None
-    """For ``PromptKeyer.keys``: the previous turn's key trail and the segments this
-    prompt shares with it (``None`` when there is no turn to record)."""
+    block_keys: list[RequestKey] | None = None
+    """The keys, when the renderer was given a ``Keying`` and computed them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keying:
+    """How to key a chat prompt: the key chain's parameters and the memo of states."""
+
+    keyer: PromptKeyer
+    context: KeyContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +156,28 @@ class ChatText:
     add_special_tokens: bool
     truncate_prompt_tokens: int | None
     truncation_side: Literal["left", "right"] | None
-    turn: Turn | None = None
-    """This request as the conversation's next turn will reuse it (``prompt.turns``)."""
-    base: Turn | None = None
-    """The remembered turn this one extends."""
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatRequest:
+    """What the stages read of a chat body (parsed and checked once)."""
+
+    messages: object
+    kwargs: dict[str, Any]
+    """Template kwargs, with ``tools`` and ``chat_template`` (vLLM's merge order)."""
+    add_special_tokens: bool
+    truncate_prompt_tokens: int | None
+    truncation_side: Literal["left", "right"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The template a request renders with, and the kwargs it accepts."""
+
+    source: str
+    tools: object
+    kwargs: dict[str, Any]
+    content_format: ContentFormat
 
 
 def merge_kwargs(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,12 +243,78 @@ class ModelRenderer:
         self.files = files
         self.options = options or RenderOptions()
         self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens)
-        self.turns = TurnMemo(max_bytes=max_turn_bytes)
+        self.conversations = ConversationMemo(max_bytes=max_turn_bytes)
 
     # -- chat ---------------------------------------------------------------------------
 
+    def render_chat(self, body: Mapping[str, Any], keying: Keying | None = None) -> Tokenized:
+        """Render, tokenise and (with ``keying``) key a chat body, reusing the
+        conversation's previous prompt: body -> messages -> text -> ids -> keys."""
+        request = self._chat_request(body)
+        template = self._template(request.kwargs)
+        opened = self.conversations.open(request.messages, template.content_format)
+        if opened is None:  # not plain data: rendered whole, nothing to remember
+            conversation = build_conversation(request.messages, template.content_format)
+            text, _ = self._text(template, conversation, _has_developer(conversation), ())
+            return self._tokenize(text, request.add_special_tokens,
+                                  request.truncate_prompt_tokens, request.truncation_side)
+        previous = opened.previous
+        built = opened.messages
+        text, loops = self._text(template, built.conversation, built.has_developer,
+                                 previous.loops if previous is not None else ())
+        if request.add_special_tokens:  # the affixes break the split: encoded whole
+            self.conversations.remember(CachedPrompt(built, loops), replacing=previous)
+            return self._tokenize(text, True, request.truncate_prompt_tokens,
+                                  request.truncation_side)
+        split = self.encoder.split(text, previous.split if previous is not None else None)
+        if request.truncate_prompt_tokens is not None:
+            self.conversations.remember(CachedPrompt(built, loops, split), replacing=previous)
+            ids = split.ids
+            cut = self._truncate(ids, 0, 0, request.truncate_prompt_tokens,
+                                 request.truncation_side)
+            return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)
+        trail = None
+        if keying is not None:
+            trail = keying.keyer.trail(
+                keying.context, split.segments, shared=split.shared,
+                previous=previous.keys if previous is not None else None,
+            )
+        self.conversations.remember(CachedPrompt(built, loops, split, trail), replacing=previous)
+        return Tokenized(split.ids, split.segments, trail.keys if trail is not None else None)
+
+    def tokenize_chat(self, body: Mapping[str, Any]) -> Tokenized:
+        """Render and tokenise a chat body (``render_chat`` without keys)."""
+        return self.render_chat(body)
+
     def chat_text(self, body: Mapping[str, Any]) -> ChatText:
-        """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text."""
+        """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text (from
+        the conversation's previous prompt where it applies; nothing is remembered)."""
+        request = self._chat_request(body)
+        template = self._template(request.kwargs)
+        opened = self.conversations.open(request.messages, template.content_format)
+        if opened is None:
+            conversation = build_conversation(request.messages, template.content_format)
+            text, _ = self._text(template, conversation, _has_developer(conversation), ())
+        else:
+            previous = opened.previous
+            text, _ = self._text(template, opened.messages.conversation,
+                                 opened.messages.has_developer,
+                                 previous.loops if previous is not None else ())
+        return ChatText(text, request.add_special_tokens, request.truncate_prompt_tokens,
+                        request.truncation_side)
+
+    def apply_chat_template(self, messages: object, kwargs: Mapping[str, Any]) -> str:
+        """vLLM's ``safe_apply_chat_template(..., tokenize=False, **kwargs)``.
+
+        ``kwargs`` holds ``tools``, ``chat_template`` and everything else vLLM would pass
+        (``add_generation_prompt``, ``documents``, template variables ...).
+        """
+        template = self._template(kwargs)
+        conversation = build_conversation(messages, template.content_format)
+        return self._text(template, conversation, _has_developer(conversation), ())[0]
+
+    def _chat_request(self, body: Mapping[str, Any]) -> _ChatRequest:
+        """The body's options, checked and merged in vLLM's order (module docstring)."""
         opts = self.options
         add_generation_prompt = _flag(body, "add_generation_prompt", True)
         continue_final = _flag(body, "continue_final_message", False)
@@ -234,12 +340,11 @@ class ModelRenderer:
         tools = dump_tools(body.get("tools"))
         if body.get("tool_choice") == "none" and opts.exclude_tools_when_tool_choice_none:
             tools = None
-        documents = body.get("documents")
         reasoning_effort = body.get("reasoning_effort")
         extra: dict[str, Any] = {
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final,
-            "documents": documents,
+            "documents": body.get("documents"),
             "reasoning_effort": reasoning_effort,
         }
         if reasoning_effort is not None and "enable_thinking" not in user_kwargs:
@@ -248,27 +353,17 @@ class ModelRenderer:
         kwargs = merge_kwargs(server, merge_kwargs(user_kwargs, extra))
         template_name = request_template if request_template is not None else opts.chat_template
         kwargs = merge_kwargs(kwargs, {"chat_template": template_name})
-        text, turn, base = self._apply(body.get("messages"), kwargs)
-        return ChatText(
-            text=text,
+        return _ChatRequest(
+            messages=body.get("messages"),
+            kwargs=kwargs,
             add_special_tokens=_flag(body, "add_special_tokens", False),
             truncate_prompt_tokens=_truncation(body),
             truncation_side=_side(body),
-            turn=turn,
-            base=base,
         )
 
-    def apply_chat_template(self, messages: object, kwargs: Mapping[str, Any]) -> str:
-        """vLLM's ``safe_apply_chat_template(..., tokenize=False, **kwargs)``.
-
-        ``kwargs`` holds ``tools``, ``chat_template`` and everything else vLLM would pass
-        (``add_generation_prompt``, ``documents``, template variables ...).
-        """
-        return self._apply(messages, kwargs)[0]
-
-    def _apply(
-        self, messages: object, kwargs: Mapping[str, Any]
-    ) -> tuple[str, Turn | None, Turn | None]:
+    def _template(self, kwargs: Mapping[str, Any]) -> _Template:
+        """The template source for ``kwargs`` (``tools``, ``chat_template``), its content
+        format and the kwargs it accepts."""
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None)
         requested = kwargs.pop("chat_template", None)
@@ -279,29 +374,24 @@ class ModelRenderer:
             raise TemplateRejected(str(exc)) from exc
         fmt = self.options.content_format
         content_format = detect_content_format(source) if fmt == "auto" else fmt
-        started = self.turns.begin(messages, content_format)
-        turn, base = started if started is not None else (None, None)
-        if turn is not None:
-            conversation = list(turn.conversation)  # the turn's own list stays as built
-        else:
-            conversation = build_conversation(messages, content_format)
-        developer = (
-            turn.has_developer
-            if turn is not None
-            else any(m["role"] == "developer" for m in conversation)
-        )
-        if developer and not ('"developer"' in source or "'developer'" in source):
-            conversation = convert_developer_role(conversation)
         accepted = template_variables(source) | _HF_CHAT_PARAMS
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        text, loops = self._render(
-            source, conversation, tools, kwargs, base.loops if base is not None else ()
-        )
-        if turn is not None:
-            turn.loops = loops
-            turn.text = text
-            self.turns.remember(turn, base)
-        return text, turn, base
+        return _Template(source, tools, {k: v for k, v in kwargs.items() if k in accepted},
+                         content_format)
+
+    def _text(
+        self,
+        template: _Template,
+        conversation: list[Message],
+        has_developer: bool,
+        previous_loops: Sequence[LoopRecord],
+    ) -> tuple[str, list[LoopRecord]]:
+        """The text stage: built messages to the rendered prompt (and its loops)."""
+        source = template.source
+        conversation = list(conversation)  # the built list stays as built
+        if has_developer and not ('"developer"' in source or "'developer'" in source):
+            conversation = convert_developer_role(conversation)
+        return self._render(source, conversation, template.tools, dict(template.kwargs),
+                            previous_loops)
 
     def _render(
         self,
@@ -358,39 +448,6 @@ class ModelRenderer:
         if final_text is not None:
             text = _cut_after_final(text, final_text)
         return text, loops
-
-    def tokenize_chat(self, body: Mapping[str, Any]) -> Tokenized:
-        """Render and tokenise a chat body."""
-        return self.tokenize_text(self.chat_text(body))
-
-    def tokenize_text(self, chat: ChatText) -> Tokenized:
-        """Tokenise a rendered chat prompt (resuming its base turn's split)."""
-        turn = chat.turn
-        if turn is None or chat.add_special_tokens:
-            return self._tokenize(
-                chat.text,
-                chat.add_special_tokens,
-                chat.truncate_prompt_tokens,
-                chat.truncation_side,
-            )
-        base = chat.base
-        previous: TextSplit | None = None
-        trail: KeyTrail | None = None
-        if base is not None:
-            # The base turn was replaced (``TurnMemo.remember``): its split and key
-            # trail are given up to this turn, which may take their lists over.
-            previous, base.split = base.split, None
-            trail = base.keys.trail if base.keys is not None else None
-            base.keys = None
-        split = self.encoder.split(chat.text, previous, spend=True)
-        turn.split = split
-        self.turns.recount(turn)
-        ids = split.ids  # shared with the turn: read-only, as ``Prompt.token_ids`` is
-        if chat.truncate_prompt_tokens is None:
-            turn.keys = KeyResume(trail, split.shared)
-            return Tokenized(ids, split.segments, turn.keys)
-        cut = self._truncate(ids, 0, 0, chat.truncate_prompt_tokens, chat.truncation_side)
-        return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)
 
     # -- completions --------------------------------------------------------------------
 
@@ -468,6 +525,10 @@ class ModelRenderer:
         if len(ids) <= limit:
             return ids
         return ids[len(ids) - limit :] if side == "left" else ids[:limit]
+
+
+def _has_developer(conversation: list[Message]) -> bool:
+    return any(m["role"] == "developer" for m in conversation)
 
 
 def _tag_final_message(conversation: list[Message], field_name: str, source: str) -> str:
@@ -575,6 +636,7 @@ def _index_of(haystack: list[int], needle: list[int]) -> int:
 __all__ = [
     "ChatText",
     "ContentFormatOption",
+    "Keying",
     "ModelRenderer",
     "RenderOptions",
     "Tokenized",

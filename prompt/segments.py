@@ -47,11 +47,7 @@ if two texts agree on their first ``P`` characters, every cut ending at or befor
 of its own from there.  ``split`` finds ``P`` by comparing the texts (memcmp speed),
 takes the previous segments up to the last such cut and cuts only the remainder.
 Reused pieces are not refreshed in the LRU (they are not looked up).  The ids up to
-that cut are the previous split's ids; when the caller gives the previous split up
-(``spend``, its turn was replaced) and nothing else holds its id list (the previous
-prompt is gone, as it is in the router by the next turn: ``sys.getrefcount``), the list
-is truncated and extended in place instead of copied, so a turn's cost does not grow
-with the conversation's token count.
+that cut are a copy of the previous split's (a split is a value: nothing changes it).
 
 The encoder is not thread-safe; it belongs to one event loop.
 """
@@ -61,7 +57,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -82,20 +77,6 @@ DEFAULT_MAX_CACHED_TOKENS = 2_000_000
 the vocabulary's shared int and some 4 characters of piece text), so the default is
 about 24 MB per model: a few hundred concurrent 10-turn conversations of 6k tokens, the
 working set a router sees between turns."""
-
-EXACT_REFCOUNTS = (
-    sys.implementation.name == "cpython"
-    and sys.version_info < (3, 14)
-    and bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-)
-"""Whether ``sys.getrefcount`` counts every holder of an object.  CPython 3.14 may skip
-the count of a borrowed reference on the stack (its result can be lower than the
-holders), and the free-threaded build defers counts: there a list is never taken to be
-unshared, and reuse in place is off (lists are copied, as without this optimisation)."""
-
-_HELD_BY_THE_SPLIT_ONLY = 2
-"""``sys.getrefcount`` of a split's id list that only the split holds (its field and
-the call's argument): no prompt, no ``Tokenized`` sees it, so it may be reused."""
 
 _SAFE_PRE_TOKENIZERS = frozenset(
     {
@@ -126,19 +107,16 @@ class SegmentStats:
     """Segments taken over from a previous split (``SegmentEncoder.split``)."""
     by_words: int = 0
     """New pieces encoded word by word (``prompt.words``), of ``misses``."""
-    taken_over: int = 0
-    """Splits that took the previous split's id list over (``split(..., spend=True)``)."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TextSplit:
     """A text cut into segments, and the cuts a longer text sharing its start may keep.
 
     ``offsets[i]`` is where the ``i``-th added token matched on the raw text ends
     (ascending), ``counts[i]`` the number of segments and ``tokens[i]`` the number of
-    token ids up to there.  ``ids`` are the segments' ids concatenated (read-only).
-    A value, except that ``SegmentEncoder.split(..., spend=True)`` may take its id list
-    over; it then empties ``offsets``, so that nothing resumes from it again.
+    token ids up to there.  ``ids`` are the segments' ids concatenated.  A value: treat
+    every field as read-only.
     """
 
     text: str
@@ -203,15 +181,8 @@ class SegmentEncoder:
             return [*prefix, *self._pieces(text), *suffix]
         return self._pieces(text)
 
-    def split(
-        self, text: str, previous: TextSplit | None = None, *, spend: bool = False
-    ) -> TextSplit:
-        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc).
-
-        With ``spend`` the caller gives ``previous`` up: when nothing else holds its id
-        list (the previous prompt is gone), the new split truncates and extends that
-        list instead of copying it, and ``previous`` is emptied.
-        """
+    def split(self, text: str, previous: TextSplit | None = None) -> TextSplit:
+        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
         if not self.splittable or self._raw_split is None:
             pieces = self._pieces(text)
             ids = [i for _, piece in pieces for i in piece]
@@ -230,14 +201,7 @@ class SegmentEncoder:
                 segments = previous.segments[:shared]
                 offsets, counts = previous.offsets[:kept], previous.counts[:kept]
                 tokens = previous.tokens[:kept]
-                if (spend and EXACT_REFCOUNTS
-                        and sys.getrefcount(previous.ids) == _HELD_BY_THE_SPLIT_ONLY):
-                    ids = previous.ids
-                    del ids[tokens[-1] :]
-                    previous.offsets = array("q")  # spent: nothing resumes from it
-                    self.stats.taken_over += 1
-                else:
-                    ids = previous.ids[: tokens[-1]]
+                ids = previous.ids[: tokens[-1]]
                 self.stats.reused += shared
         self._cut(text[start:] if start else text, segments, start, offsets, counts)
         # The ids of the segments cut just now, and the token counts at their cuts.
