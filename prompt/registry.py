@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvkeys.keys import block_keys
+from prompt.chat_options import ContentFormatOption, RenderOptions
 from prompt.conversation import DEFAULT_MAX_TURN_BYTES
 from prompt.errors import InvalidPrompt, ModelNotServed, RenderUnsupported
 from prompt.keyer import DEFAULT_MAX_KEY_NODES, KeyContext, Prompt, PromptKeyer, validate_cache_salt
-from prompt.render import ContentFormatOption, Keying, ModelRenderer, RenderOptions, Tokenized
+from prompt.render import Keying, ModelRenderer, Tokenized
 from prompt.segments import DEFAULT_MAX_CACHED_TOKENS
 from prompt.tokenizer import load_tokenizer_files, read_chat_template
 

@@ -1,12 +1,14 @@
 """Request bodies to token ids, exactly as vLLM 0.32's OpenAI server computes them.
 
 ``ModelRenderer`` holds one model's tokenizer files and the server's rendering options
-(:class:`RenderOptions`, mirroring ``vllm serve`` flags) and turns a request body into
-:class:`Tokenized` (segments and token ids, see ``prompt.segments``).  It never calls
-transformers: templates run in ``prompt.template_env`` and text is encoded by
-``tokenizers`` through a ``SegmentEncoder``; tests prove equality with transformers.
+(``prompt.chat_options.RenderOptions``, mirroring ``vllm serve`` flags) and turns a
+request body into :class:`Tokenized` (segments, token ids and, when asked, block
+keys).  It never calls transformers: templates run in ``prompt.template_env`` and text
+is encoded by ``tokenizers`` through a ``SegmentEncoder``; tests prove equality with
+transformers.
 
-Chat (``/v1/chat/completions``), in vLLM's order:
+Chat (``/v1/chat/completions``), in vLLM's order (steps 1 and 4 read the body:
+``prompt.chat_options``):
 
 1. tools: each ``{"type": "function", "function": {...}}`` is re-serialised as vLLM's
    pydantic models dump it (``description`` and ``parameters`` present, ``null`` when
@@ -56,13 +58,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
 
 from kvkeys.types import RequestKey
 from prompt.chat_messages import Message, build_conversation, convert_developer_role
+from prompt.chat_options import (
+    RenderOptions,
+    body_flag,
+    body_truncation,
+    body_truncation_side,
+    parse_chat_request,
+)
 from prompt.conversation import (
     DEFAULT_MAX_TURN_BYTES,
     CachedPrompt,
@@ -79,8 +88,6 @@ from prompt.template_env import (
     template_variables,
 )
 from prompt.tokenizer import TokenizerFiles
-
-ContentFormatOption = Literal["auto", "string", "openai"]
 
 _HF_CHAT_PARAMS = frozenset(
     {
@@ -104,28 +111,6 @@ _HF_CHAT_PARAMS = frozenset(
 """Parameters of transformers 5.x ``apply_chat_template`` (vLLM always accepts them)."""
 _NOT_TEMPLATE_VARS = _HF_CHAT_PARAMS - {"documents"}
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-_UNSET = (None, "auto")
-
-
-@dataclass(frozen=True, slots=True)
-class RenderOptions:
-    """The replica's rendering flags for one model (``vllm serve`` equivalents)."""
-
-    chat_template: str | None = None
-    """``--chat-template``: a template name of the tokenizer, or a template literal."""
-    content_format: ContentFormatOption = "auto"
-    """``--chat-template-content-format``."""
-    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """``--default-chat-template-kwargs``."""
-    trust_request_chat_template: bool = False
-    """``--trust-request-chat-template``."""
-    exclude_tools_when_tool_choice_none: bool = False
-    """``--exclude-tools-when-tool-choice-none``."""
-    max_model_len: int | None = None
-    """Only needed for ``truncate_prompt_tokens=-1``."""
-    truncation_side: Literal["left", "right"] = "left"
-    """The tokenizer's truncation side in the engine: vLLM's ``get_tokenizer`` forces
-    ``"left"`` for generative models, whatever ``tokenizer_config.json`` says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,18 +144,6 @@ class ChatText:
 
 
 @dataclass(frozen=True, slots=True)
-class _ChatRequest:
-    """What the stages read of a chat body (parsed and checked once)."""
-
-    messages: object
-    kwargs: dict[str, Any]
-    """Template kwargs, with ``tools`` and ``chat_template`` (vLLM's merge order)."""
-    add_special_tokens: bool
-    truncate_prompt_tokens: int | None
-    truncation_side: Literal["left", "right"] | None
-
-
-@dataclass(frozen=True, slots=True)
 class _Template:
     """The template a request renders with, and the kwargs it accepts."""
 
@@ -178,55 +151,6 @@ class _Template:
     tools: object
     kwargs: dict[str, Any]
     content_format: ContentFormat
-
-
-def merge_kwargs(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's ``merge_kwargs``: overrides win unless they are ``None`` or ``"auto"``."""
-    merged = dict(defaults)
-    for key, value in overrides.items():
-        if not _is_unset(value):
-            merged[key] = value
-    return merged
-
-
-def _is_unset(value: object) -> bool:
-    return value is None or (isinstance(value, str) and value == "auto")
-
-
-def dump_tools(tools: object) -> list[dict[str, Any]] | None:
-    """Tools as vLLM's ``ChatCompletionToolsParam.model_dump()`` hands them to templates."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidPrompt("'tools' must be a list", param="tools")
-    out: list[dict[str, Any]] = []
-    for tool in tools:
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise InvalidPrompt("each tool must be a function tool", param="tools")
-        fn = tool.get("function")
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-            raise InvalidPrompt("each tool needs function.name", param="tools")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise InvalidPrompt("function.parameters must be an object", param="tools")
-        defer = tool.get("defer_loading")
-        fn_defer = fn.get("defer_loading")
-        if fn_defer is None and defer is not None:
-            fn_defer = defer
-        dumped_fn: dict[str, Any] = {
-            "name": fn["name"],
-            "description": fn.get("description"),
-            "parameters": copy.deepcopy(params),
-        }
-        if fn.get("strict") is not None:
-            dumped_fn["strict"] = fn["strict"]
-        if fn_defer is not None:
-            dumped_fn["defer_loading"] = fn_defer
-        dumped: dict[str, Any] = {"type": "function", "function": dumped_fn}
-        if defer is not None:
-            dumped["defer_loading"] = defer
-        out.append(dumped)
-    return out
 
 
 class ModelRenderer:
@@ -250,7 +174,7 @@ class ModelRenderer:
     def render_chat(self, body: Mapping[str, Any], keying: Keying | None = None) -> Tokenized:
         """Render, tokenise and (with ``keying``) key a chat body, reusing the
         conversation's previous prompt: body -> messages -> text -> ids -> keys."""
-        request = self._chat_request(body)
+        request = parse_chat_request(body, self.options)
         template = self._template(request.kwargs)
         opened = self.conversations.open(request.messages, template.content_format)
         if opened is None:  # not plain data: rendered whole, nothing to remember
@@ -289,7 +213,7 @@ class ModelRenderer:
     def chat_text(self, body: Mapping[str, Any]) -> ChatText:
         """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text (from
         the conversation's previous prompt where it applies; nothing is remembered)."""
-        request = self._chat_request(body)
+        request = parse_chat_request(body, self.options)
         template = self._template(request.kwargs)
         opened = self.conversations.open(request.messages, template.content_format)
         if opened is None:
@@ -312,54 +236,6 @@ class ModelRenderer:
         template = self._template(kwargs)
         conversation = build_conversation(messages, template.content_format)
         return self._text(template, conversation, _has_developer(conversation), ())[0]
-
-    def _chat_request(self, body: Mapping[str, Any]) -> _ChatRequest:
-        """The body's options, checked and merged in vLLM's order (module docstring)."""
-        opts = self.options
-        add_generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final = _flag(body, "continue_final_message", False)
-        if add_generation_prompt and continue_final:
-            raise InvalidPrompt(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                param="continue_final_message",
-            )
-        user_kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(user_kwargs, Mapping):
-            raise InvalidPrompt(
-                "chat_template_kwargs must be an object", param="chat_template_kwargs"
-            )
-        request_template = body.get("chat_template")
-        if not opts.trust_request_chat_template and (
-            request_template is not None or user_kwargs.get("chat_template") is not None
-        ):
-            raise InvalidPrompt(
-                "Chat template is passed with request, but --trust-request-chat-template "
-                "is not set. Refused request with untrusted chat template.",
-                param="chat_template",
-            )
-        tools = dump_tools(body.get("tools"))
-        if body.get("tool_choice") == "none" and opts.exclude_tools_when_tool_choice_none:
-            tools = None
-        reasoning_effort = body.get("reasoning_effort")
-        extra: dict[str, Any] = {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final,
-            "documents": body.get("documents"),
-            "reasoning_effort": reasoning_effort,
-        }
-        if reasoning_effort is not None and "enable_thinking" not in user_kwargs:
-            extra["enable_thinking"] = reasoning_effort != "none"
-        server = merge_kwargs(opts.default_chat_template_kwargs, {"tools": tools})
-        kwargs = merge_kwargs(server, merge_kwargs(user_kwargs, extra))
-        template_name = request_template if request_template is not None else opts.chat_template
-        kwargs = merge_kwargs(kwargs, {"chat_template": template_name})
-        return _ChatRequest(
-            messages=body.get("messages"),
-            kwargs=kwargs,
-            add_special_tokens=_flag(body, "add_special_tokens", False),
-            truncate_prompt_tokens=_truncation(body),
-            truncation_side=_side(body),
-        )
 
     def _template(self, kwargs: Mapping[str, Any]) -> _Template:
         """The template source for ``kwargs`` (``tools``, ``chat_template``), its content
@@ -458,8 +334,8 @@ class ModelRenderer:
         if body.get("suffix") is not None:
             raise RenderUnsupported("suffix (fill-in-the-middle) is rendered by the engine")
         prompt = body.get("prompt")
-        add_special = _flag(body, "add_special_tokens", True)
-        limit, side = _truncation(body), _side(body)
+        add_special = body_flag(body, "add_special_tokens", True)
+        limit, side = body_truncation(body), body_truncation_side(body)
         out: list[Tokenized] = []
         for item in _completion_items(prompt):
             if isinstance(item, str):
@@ -572,37 +448,6 @@ def _cut_after_final(text: str, final: str) -> str:
     return text[:at].rstrip()
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidPrompt(f"'{name}' must be a boolean", param=name)
-    return value
-
-
-def _truncation(body: Mapping[str, Any]) -> int | None:
-    value = body.get("truncate_prompt_tokens")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise InvalidPrompt(
-            "truncate_prompt_tokens must be an integer >= -1", param="truncate_prompt_tokens"
-        )
-    return value
-
-
-def _side(body: Mapping[str, Any]) -> Literal["left", "right"] | None:
-    value = body.get("truncation_side")
-    if value is None:
-        return None
-    if value not in ("left", "right"):
-        raise InvalidPrompt(
-            "`truncation_side` must be either 'left' or 'right'.", param="truncation_side"
-        )
-    return "left" if value == "left" else "right"
-
-
 def _completion_items(prompt: object) -> list[str | Sequence[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -633,13 +478,4 @@ def _index_of(haystack: list[int], needle: list[int]) -> int:
     raise AssertionError("plain encoding not found inside the encoding with special tokens")
 
 
-__all__ = [
-    "ChatText",
-    "ContentFormatOption",
-    "Keying",
-    "ModelRenderer",
-    "RenderOptions",
-    "Tokenized",
-    "dump_tools",
-    "merge_kwargs",
-]
+__all__ = ["ChatText", "Keying", "ModelRenderer", "Tokenized"]

@@ -187,8 +187,8 @@ def test_warm_turn_encodes_only_new_pieces(registry: RendererRegistry) -> None:
 def test_splitter_is_leftmost_longest_like_the_regex(tokens: list[str], text: str) -> None:
     import re
 
-    from prompt.segments import _Splitter
+    from prompt.added_tokens import Splitter
 
     ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
     regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
-    assert _Splitter(tokens).split(text) == regex.split(text)
+    assert Splitter(tokens).split(text) == regex.split(text)
