@@ -25,9 +25,7 @@ over), made before the clock starts:
   rendered cold into emptied caches.  The caches end up the same, but that cold
   rendering sweeps a memory footprint that grows with N through the CPU caches just
   before the timed turn, so this figure grows with N even where the turn's own work
-  does not (the instruction count of the timed turn is the same either way);
-* prewarmed: turn N when the router called ``prewarm_reply`` with turn N-1's reply
-  after relaying it (the client's think time), so only the new user message is new.
+  does not (the instruction count of the timed turn is the same either way).
 
 Each figure is the median (and p90) of ``--reps`` runs, in CPU time of the measuring
 thread (``time.thread_time``: all the work is on that thread) and in wall-clock time.
@@ -35,10 +33,10 @@ Every run measures each turn count in turn, so a change in the machine's speed d
 the benchmark shifts all rows alike instead of one.
 On a shared machine the wall clock also counts time the process waited for a core, so
 CPU time is the cost figure; the JSON records the load average at start and end.
-Phases of the warm turn are timed separately, as ``render_chat`` runs them (render =
-messages to text, ``ModelRenderer.chat_text``; tokenise = split and cached encoding,
-``tokenize_text``; hash = block keys, ``PromptKeyer.keys``).  It prints a table and
-writes JSON (``--out``).
+The warm turn's text stage is also timed on its own (render = messages to text,
+``ModelRenderer.chat_text``); the rest of the warm turn is the split, the encoding of
+new pieces and the block keys (``tokenise + hash``).  It prints a table and writes JSON
+(``--json``).
 """
 
 
@@ -137,7 +135,7 @@ def _stats(samples: Sequence[float]) -> dict[str, float]:
 
 def _reset(registry: RendererRegistry, target: Target) -> None:
     assert target.renderer is not None
-    target.renderer.turns.clear()
+    target.renderer.conversations.clear()
     target.renderer.encoder.clear()
     registry.keyer.clear()
 
@@ -172,10 +170,7 @@ _SAMPLES = (
     "warm",
     "warm_cpu",
     "render",
-    "tokenise",
-    "hash",
     "cold_prev_cpu",
-    "prewarmed_cpu",
 )
 
 
@@ -209,30 +204,16 @@ class Series:
         before = _follow(registry, target, model, messages).num_tokens  # the prompt is dropped
         self.new_tokens = self.prompt.num_tokens - before
         self._timed("warm", "warm_cpu")
-        # The same warm turn again, phase by phase.
+        # The warm turn's text stage on its own (it remembers nothing).
         _follow(registry, target, model, messages)
         request = _parsed(self.body)
         t0 = time.thread_time()
-        chat = renderer.chat_text(request)
-        t1 = time.thread_time()
-        tokenized = renderer.tokenize_text(chat)
-        t2 = time.thread_time()
-        assert tokenized.segments is not None
-        ctx = target.key_context(None)
-        registry.keyer.keys(ctx, tokenized.segments, resume=tokenized.key_resume)
-        t3 = time.thread_time()
-        samples["render"].append(t1 - t0)
-        samples["tokenise"].append(t2 - t1)
-        samples["hash"].append(t3 - t2)
+        renderer.chat_text(request)
+        samples["render"].append(time.thread_time() - t0)
         # Turn N right after turn N-1 was rendered cold into emptied caches.
         _reset(registry, target)
         registry.render_chat(_parsed(previous))
         self._timed(None, "cold_prev_cpu")
-        # Turn N when the router pre-warmed turn N-1's reply while the client read it
-        # (``prewarm_reply``): only the new user message is tokenised on the path.
-        _follow(registry, target, model, messages)
-        registry.prewarm_reply(_parsed(previous), messages[-2]["content"])
-        self._timed(None, "prewarmed_cpu")
 
     def _timed(self, wall_key: str | None, cpu_key: str) -> None:
         """Render this turn's request (freshly parsed) and record its wall and CPU time."""
@@ -258,14 +239,15 @@ class Series:
         if samples["warm"]:
             row["warm_wall"] = _stats(samples["warm"])
             row["warm_cpu"] = _stats(samples["warm_cpu"])
+            render = statistics.median(samples["render"]) * 1e3
             row["warm_cpu_phases_median_ms"] = {
-                k: statistics.median(samples[k]) * 1e3 for k in ("render", "tokenise", "hash")
+                "render": render,
+                "tokenise_hash": row["warm_cpu"]["median_ms"] - render,
             }
             row["warm_cpu_us_per_new_token"] = (
                 row["warm_cpu"]["median_ms"] * 1e3 / max(self.new_tokens, 1)
             )
             row["warm_cold_prev_cpu"] = _stats(samples["cold_prev_cpu"])
-            row["warm_prewarmed_cpu"] = _stats(samples["prewarmed_cpu"])
         return row
 
 
@@ -317,11 +299,10 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"render + tokenise + hash, block size {result['block_size']}, {result['reps']} reps, "
         f"load average {result['loadavg_start'][0]:.1f} on {result['cpu_count']} CPUs",
-        f"{'':>20}{'---- cold ----':>18}{'-------- warm (turn N after N-1) --------':>54}"
-        f"{'after cold N-1':>15}{'prewarmed':>10}",
+        f"{'':>20}{'---- cold ----':>18}{'------ warm (turn N after N-1) ------':>54}"
+        f"{'after cold N-1':>15}",
         f"{'turns':>5} {'tokens':>7} {'new':>5} {'cpu':>8} {'wall':>8} {'cpu':>8} {'cpu p90':>8} "
-        f"{'wall':>8} {'render':>7} {'tokenise':>8} {'hash':>6} {'us/new':>7} {'cpu':>14} "
-        f"{'cpu':>9}",
+        f"{'wall':>8} {'render':>7} {'tok+hash':>8} {'us/new':>7} {'cpu':>14}",
     ]
     for row in result["rows"]:
         w_cpu = row.get("warm_cpu", {})
@@ -332,10 +313,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{row['cold_cpu']['median_ms']:>8.2f} {row['cold_wall']['median_ms']:>8.2f} "
             f"{w_cpu.get('median_ms', nan):>8.3f} {w_cpu.get('p90_ms', nan):>8.3f} "
             f"{w_wall.get('median_ms', nan):>8.3f} {ph.get('render', nan):>7.3f} "
-            f"{ph.get('tokenise', nan):>8.3f} {ph.get('hash', nan):>6.3f} "
+            f"{ph.get('tokenise_hash', nan):>8.3f} "
             f"{row.get('warm_cpu_us_per_new_token', nan):>7.2f} "
-            f"{row.get('warm_cold_prev_cpu', {}).get('median_ms', nan):>14.3f} "
-            f"{row.get('warm_prewarmed_cpu', {}).get('median_ms', nan):>9.3f}"
+            f"{row.get('warm_cold_prev_cpu', {}).get('median_ms', nan):>14.3f}"
         )
     return "\n".join(lines)
 

@@ -17,13 +17,12 @@ miss only costs recomputation, and the result is always equal to ``block_keys`` 
 the whole token list (a property test checks this).
 
 A prompt that starts with the very segments of an earlier one can skip even the walk
-down the trie: ``keys(..., resume=KeyResume(trail, shared))`` starts from the state
-the earlier prompt reached after its first ``shared`` segments (its ``KeyTrail``, the
-state after each of its segments, taken only under the same ``KeyContext``) and leaves
-this prompt's own trail in ``resume.trail``.  States are plain values: a trail stays
-valid after the trie is dropped.  A trail resumes one prompt: when nothing else holds
-its key list (the earlier prompt is gone; ``sys.getrefcount``), the new prompt's keys
-are that list, truncated and extended in place, and the trail is emptied.
+down the trie: ``trail(ctx, segments, previous=trail, shared=n)`` starts from the state
+the earlier prompt reached after its first ``n`` segments (its ``KeyTrail``: the state
+after each of its segments and its keys, used only under the same ``KeyContext``) and
+returns this prompt's own trail.  Trails are values: neither is changed, a trail stays
+valid after the trie is dropped, and the new trail's keys are the earlier keys up to
+the shared state plus the keys of the blocks after it.
 
 ``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
 400).
@@ -31,7 +30,6 @@ are that list, truncated and extended in place, and the trail is emptied.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -39,14 +37,10 @@ from typing import Literal
 from kvkeys.keys import block_keys, expected_cached_tokens
 from kvkeys.types import RequestKey
 from prompt.errors import InvalidCacheSalt
-from prompt.segments import EXACT_REFCOUNTS, Segment
+from prompt.segments import Segment
 
 MAX_CACHE_SALT_LENGTH = 128
 _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
-
-_HELD_BY_THE_TRAIL_ONLY = 2
-"""``sys.getrefcount`` of a trail's key list that only the trail holds (its field and
-the call's argument): the prompt it was handed to is gone, so it may be reused."""
 
 DEFAULT_MAX_KEY_NODES = 200_000
 """Memoised chain states, in units of about 200 bytes: a state costs one unit plus one
@@ -135,26 +129,14 @@ class _Node:
         self.children: dict[int, _Node] = {}
 
 
+@dataclass(frozen=True, slots=True)
 class KeyTrail:
     """The chain states one keyed prompt reached: ``nodes[i]`` after its segment ``i``,
     under ``ctx``; ``keys`` are that prompt's block keys (read-only)."""
 
-    __slots__ = ("ctx", "keys", "nodes")
-
-    def __init__(self, ctx: KeyContext, nodes: list[_Node], keys: list[RequestKey]) -> None:
-        self.ctx = ctx
-        self.nodes = nodes
-        self.keys = keys
-
-
-@dataclass(slots=True, eq=False)
-class KeyResume:
-    """Keying a prompt whose first ``shared`` segments are those of ``base``'s prompt."""
-
-    base: KeyTrail | None
-    shared: int
-    trail: KeyTrail | None = None
-    """This prompt's trail, left by ``PromptKeyer.keys`` (which drops ``base``)."""
+    ctx: KeyContext
+    nodes: tuple[_Node, ...]
+    keys: list[RequestKey]
 
 
 class PromptKeyer:
@@ -173,61 +155,66 @@ class PromptKeyer:
         self._roots: dict[KeyContext, _Node] = {}
         self.misses = 0
         self.resets = 0
-        self.taken_over = 0
-        """Prompts whose keys are the key list of the trail they resumed."""
 
-    def keys(
+    def keys(self, ctx: KeyContext, segments: Sequence[Segment]) -> list[RequestKey]:
+        """``block_keys`` of the concatenated segment ids under ``ctx``."""
+        out: list[RequestKey] = []
+        self._walk(ctx, self._root(ctx), segments, out, None)
+        return out
+
+    def trail(
         self,
         ctx: KeyContext,
         segments: Sequence[Segment],
         *,
-        resume: KeyResume | None = None,
-    ) -> list[RequestKey]:
-        """``block_keys`` of the concatenated segment ids under ``ctx``.
+        previous: KeyTrail | None = None,
+        shared: int = 0,
+    ) -> KeyTrail:
+        """``keys(ctx, segments)`` with the states after each segment.
 
-        With ``resume``, start after its ``shared`` segments when its base trail was
-        keyed under ``ctx`` (the caller guarantees those segments are the base's), and
-        record this prompt's trail in it.
+        With ``previous`` keyed under ``ctx`` and ``0 < shared <= len(previous.nodes)``
+        (the caller guarantees that the first ``shared`` segments are ``previous``'s),
+        the walk starts from ``previous``'s state after them.
         """
-        start = 0
-        nodes: list[_Node] | None = None
-        node: _Node | None = None
-        out: list[RequestKey] = []
-        if resume is not None:
-            base, resume.base = resume.base, None
+        if previous is not None and previous.ctx == ctx and 0 < shared <= len(previous.nodes):
+            nodes = list(previous.nodes[:shared])
+            start = nodes[-1]
+            out = previous.keys[: start.n_blocks]
+            self._walk(ctx, start, segments[shared:], out, nodes)
+        else:
             nodes = []
-            if base is not None and base.ctx == ctx and 0 < resume.shared <= len(base.nodes):
-                start = resume.shared
-                nodes = base.nodes[:start]
-                node = nodes[-1]
-                if (EXACT_REFCOUNTS
-                        and sys.getrefcount(base.keys) == _HELD_BY_THE_TRAIL_ONLY):
-                    out = base.keys  # the previous prompt is gone: take its keys over
-                    del out[node.n_blocks :]
-                    base.keys, base.nodes = [], []  # spent: nothing resumes from it
-                    self.taken_over += 1
-                else:
-                    out = base.keys[: node.n_blocks]
+            out = []
+            self._walk(ctx, self._root(ctx), segments, out, nodes)
+        return KeyTrail(ctx, tuple(nodes), out)
+
+    def _root(self, ctx: KeyContext) -> _Node:
+        node = self._roots.get(ctx)
         if node is None:
-            node = self._roots.get(ctx)
-            if node is None:
-                node = self._roots[ctx] = _Node(0, None, (), [])
-                self._count_node()
-        rest = segments[start:] if start else segments
-        for i, (serial, ids) in enumerate(rest):
+            node = self._roots[ctx] = _Node(0, None, (), [])
+            self._count_node()
+        return node
+
+    def _walk(
+        self,
+        ctx: KeyContext,
+        node: _Node,
+        segments: Sequence[Segment],
+        out: list[RequestKey],
+        nodes: list[_Node] | None,
+    ) -> None:
+        """Append the keys ``segments`` complete after ``node`` to ``out`` (and the state
+        after each segment to ``nodes``): memoised states first, then ``_grow``."""
+        for i, (serial, ids) in enumerate(segments):
             if ids:
                 child = node.children.get(serial)
                 if child is None:
-                    self._grow(ctx, node, rest[i:] if i else rest, out, nodes)
-                    break
+                    self._grow(ctx, node, segments[i:] if i else segments, out, nodes)
+                    return
                 if child.keys:
                     out.extend(child.keys)
                 node = child
             if nodes is not None:
                 nodes.append(node)
-        if resume is not None and nodes is not None:
-            resume.trail = KeyTrail(ctx, nodes, out)
-        return out
 
     def _grow(
         self,
@@ -297,7 +284,6 @@ __all__ = [
     "DEFAULT_MAX_KEY_NODES",
     "MAX_CACHE_SALT_LENGTH",
     "KeyContext",
-    "KeyResume",
     "KeyTrail",
     "Prompt",
     "PromptKeyer",

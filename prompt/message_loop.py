@@ -35,7 +35,7 @@ as ``prompt.plain_data`` bytes.  A later rendering given that record reuses the 
 of its leading elements that are the very same objects, in the same positions, under
 equal free variables, and renders the rest with BODY (several messages in one call,
 cut apart at a separator that cannot occur unnoticed).  The caller keeps the
-conversation's message objects unchanged between renderings (``prompt.turns``), so
+conversation's message objects unchanged between renderings (``prompt.conversation``), so
 identity implies the same content.
 
 At render time the call raises ``LoopFallback`` when it cannot be exact: the iterable
@@ -59,7 +59,6 @@ from jinja2.utils import missing
 
 from prompt.plain_data import plain_bytes
 from prompt.template_env import (
-    FastRender,
     is_generation_block,
     iterates_over,
     make_environment,
@@ -149,7 +148,7 @@ class _Impure(Exception):
 class _Loop:
     free: tuple[str, ...]
     """BODY's free variables, in the order the call passes their values."""
-    body: FastRender
+    body: jinja2.Template
     keys: dict[tuple[tuple[Any, ...], ...], bytes]
     """Record keys of free variables that are all undefined or globals (by name)."""
 
@@ -181,7 +180,7 @@ class MessageLoops:
         self.env = env or make_environment()
         self._loops: list[_Loop] = []
         self.template: jinja2.Template | None = None
-        self._main: FastRender | None = None
+        self._main: jinja2.Template | None = None
         self.reason: str | None = None
         try:
             self._compile(source)
@@ -235,7 +234,7 @@ class MessageLoops:
                 continue
             index = len(self._loops)
             assert isinstance(twin.target, jn.Name)  # checked by _check_loop
-            self._loops.append(_Loop(free, FastRender.of(_body_template(env, twin)), {}))
+            self._loops.append(_Loop(free, _body_template(env, twin), {}))
             call = jn.Call(
                 jn.Name(_CALL, "load"),
                 [jn.Const(index), loop.iter, *(jn.Name(n, "load") for n in free)],
@@ -250,8 +249,7 @@ class MessageLoops:
         if not replacements:
             raise _Impure("; ".join(reasons) or "no loop over messages")
         _replace(main, replacements)
-        self.template = env.from_string(main)
-        self._main = FastRender.of(self.template)
+        self.template = self._main = env.from_string(main)
 
 
 def _loops_over(root: jn.Node, aliases: frozenset[str]) -> Iterator[jn.For]:

@@ -1,6 +1,6 @@
 """Exact serialisation of plain data, to tell whether two request values are the same.
 
-The rendering caches (``prompt.turns``, ``prompt.message_loop``) reuse work when a value
+The rendering caches (``prompt.conversation``, ``prompt.message_loop``) reuse work when a value
 of this request equals a value of an earlier one.  Python's ``==`` is too loose for
 that: ``True == 1 == 1.0``, ``0.0 == -0.0`` and dicts compare without their order, yet a
 template prints each of them differently.  ``plain_bytes`` serialises a value with a

@@ -13,8 +13,9 @@ Either way the registry knows:
 
 ``render_chat(body)`` / ``render_completion(body)`` are synchronous and local: they raise
 ``RenderUnsupported`` when local rendering is impossible or would not be exact.  The
-next turn of a conversation reuses what the previous one computed (``prompt.turns``,
-one memo per model; the block keys resume through ``Tokenized.key_resume``).
+next turn of a conversation reuses what the previous one computed, up to its block keys
+(``ModelRenderer.render_chat``; one ``prompt.conversation`` memo per model, one key
+memo per registry).
 ``chat(body, replica_url=...)`` / ``completion(...)`` are the async front doors: local
 when possible, else the ``RemoteRenderer`` given at construction (counted as a
 fallback there).  ``cache_salt`` is validated first in every path (``InvalidCacheSalt``).
@@ -31,12 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvkeys.keys import block_keys
-from prompt.errors import InvalidPrompt, ModelNotServed, RenderError, RenderUnsupported
+from prompt.chat_options import ContentFormatOption, RenderOptions
+from prompt.conversation import DEFAULT_MAX_TURN_BYTES
+from prompt.errors import InvalidPrompt, ModelNotServed, RenderUnsupported
 from prompt.keyer import DEFAULT_MAX_KEY_NODES, KeyContext, Prompt, PromptKeyer, validate_cache_salt
-from prompt.render import ContentFormatOption, ModelRenderer, RenderOptions, Tokenized
+from prompt.render import Keying, ModelRenderer, Tokenized
 from prompt.segments import DEFAULT_MAX_CACHED_TOKENS
 from prompt.tokenizer import load_tokenizer_files, read_chat_template
-from prompt.turns import DEFAULT_MAX_TURN_BYTES
 from prompt.words import DEFAULT_MAX_WORDS
 
 if TYPE_CHECKING:
@@ -195,7 +197,8 @@ class RendererRegistry:
         target = self.resolve(body.get("model"))
         salt = validate_cache_salt(body.get("cache_salt"))
         renderer = _local(target)
-        prompt = self._prompt(target, salt, renderer.tokenize_chat(body))
+        keying = Keying(self.keyer, target.key_context(salt))
+        prompt = self._prompt(target, salt, renderer.render_chat(body, keying))
         self.stats.local_chat += 1
         return prompt
 
@@ -207,37 +210,6 @@ class RendererRegistry:
         prompts = [self._prompt(target, salt, t) for t in renderer.tokenize_completion(body)]
         self.stats.local_completion += 1
         return prompts
-
-    def prewarm_reply(self, body: Mapping[str, Any], reply: str) -> None:
-        """Cache the next turn's pieces while the client reads ``reply``.
-
-        Call after the response to chat ``body`` completed (off the request path, e.g. in
-        the task that relayed the stream).  It renders ``body``'s messages plus the
-        assistant ``reply`` without a generation prompt, so the reply's piece, and the
-        block keys through it, are cached before the next turn arrives; that turn then
-        tokenises only the new user message.  Purely a cache fill: it never raises for
-        a bad body or a model without a local tokenizer, and if the template renders a
-        non-final assistant message differently, the next turn simply misses.
-        """
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not isinstance(reply, str):
-            return
-        model = body.get("model")
-        target = self._targets.get(model) if isinstance(model, str) else None
-        if target is None or target.renderer is None:
-            return
-        warm = {
-            **body,
-            "messages": [*messages, {"role": "assistant", "content": reply}],
-            "add_generation_prompt": False,
-            "continue_final_message": False,
-            "truncate_prompt_tokens": None,
-        }
-        try:
-            salt = validate_cache_salt(body.get("cache_salt"))
-            self._prompt(target, salt, target.renderer.tokenize_chat(warm))
-        except RenderError:
-            return
 
     def prompt_from_tokens(
         self, model: str, token_ids: list[int], *, cache_salt: str | None = None
@@ -251,8 +223,10 @@ class RendererRegistry:
         self, target: Target, salt: str | None, tok: Tokenized, *, source: str = "local"
     ) -> Prompt:
         ctx = target.key_context(salt)
-        if tok.segments is not None:
-            keys = self.keyer.keys(ctx, tok.segments, resume=tok.key_resume)
+        if tok.block_keys is not None:
+            keys = tok.block_keys
+        elif tok.segments is not None:
+            keys = self.keyer.keys(ctx, tok.segments)
         else:
             keys = block_keys(
                 tok.token_ids,

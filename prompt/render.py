@@ -1,12 +1,14 @@
 """Request bodies to token ids, exactly as vLLM 0.32's OpenAI server computes them.
 
 ``ModelRenderer`` holds one model's tokenizer files and the server's rendering options
-(:class:`RenderOptions`, mirroring ``vllm serve`` flags) and turns a request body into
-:class:`Tokenized` (segments and token ids, see ``prompt.segments``).  It never calls
-transformers: templates run in ``prompt.template_env`` and text is encoded by
-``tokenizers`` through a ``SegmentEncoder``; tests prove equality with transformers.
+(``prompt.chat_options.RenderOptions``, mirroring ``vllm serve`` flags) and turns a
+request body into :class:`Tokenized` (segments, token ids and, when asked, block
+keys).  It never calls transformers: templates run in ``prompt.template_env`` and text
+is encoded by ``tokenizers`` through a ``SegmentEncoder``; tests prove equality with
+transformers.
 
-Chat (``/v1/chat/completions``), in vLLM's order:
+Chat (``/v1/chat/completions``), in vLLM's order (steps 1 and 4 read the body:
+``prompt.chat_options``):
 
 1. tools: each ``{"type": "function", "function": {...}}`` is re-serialised as vLLM's
    pydantic models dump it (``description`` and ``parameters`` present, ``null`` when
@@ -30,14 +32,18 @@ Chat (``/v1/chat/completions``), in vLLM's order:
    configures tokenizers of generative models, keeping the special tokens it adds; or
    a plain slice when the request gives ``truncation_side``).
 
-The next turn of a conversation redoes only what is new (``prompt.turns``): messages
-already built are taken from the remembered turn, the template's message loop renders
-only new messages (``prompt.message_loop``; templates it cannot prove message-local
-are rendered whole), the text is cut only past what it shares with the previous text
-(``SegmentEncoder.split``), its new pieces are encoded word by word where that is exact
-(``prompt.words``) and ``Tokenized.key_resume`` lets the keyer start where the previous
-prompt's shared segments left it.  Each shortcut is exact by construction,
-and the result equals rendering and encoding the whole request (property tests).
+``ModelRenderer.render_chat`` chains the stages in one place: body -> messages ->
+text -> ids -> keys.  Each stage is a function of its input and of the conversation's
+previous prompt (``prompt.conversation.CachedPrompt``), and the new prompt is
+remembered once every stage has run.  The next turn of a conversation so redoes only
+what is new: messages already built are taken from the previous prompt, the
+template's message loop renders only new messages (``prompt.message_loop``; templates
+it cannot prove message-local are rendered whole), the text is cut only past what it
+shares with the previous text (``SegmentEncoder.split``), its new pieces are encoded
+word by word where that is exact (``prompt.words``), and the keys continue from the
+previous prompt's shared pieces (``PromptKeyer.trail``).  Each shortcut is exact by
+construction, and the result equals rendering and encoding the whole request
+(property tests).
 
 Completions (``/v1/completions``): ``prompt`` is a string, a list of ids, a list of
 strings or a list of id lists; each becomes one :class:`Tokenized`.  ``prompt_embeds``
@@ -52,30 +58,37 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jinja2
 
+from kvkeys.types import RequestKey
 from prompt.chat_messages import Message, build_conversation, convert_developer_role
-from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
-from prompt.keyer import KeyResume, KeyTrail
-from prompt.message_loop import LoopFallback, LoopRecord, message_loops
-from prompt.request_fields import (
-    completion_items,
-    dump_tools,
-    flag,
-    merge_kwargs,
-    truncate_prompt_tokens,
-    truncation_side,
+from prompt.chat_options import (
+    RenderOptions,
+    body_flag,
+    body_truncation,
+    body_truncation_side,
+    parse_chat_request,
 )
-from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder, TextSplit
-from prompt.template_env import compile_template, detect_content_format, template_variables
+from prompt.conversation import (
+    DEFAULT_MAX_TURN_BYTES,
+    CachedPrompt,
+    ConversationMemo,
+)
+from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
+from prompt.keyer import KeyContext, PromptKeyer
+from prompt.message_loop import LoopFallback, LoopRecord, message_loops
+from prompt.segments import DEFAULT_MAX_CACHED_TOKENS, Segment, SegmentEncoder
+from prompt.template_env import (
+    ContentFormat,
+    compile_template,
+    detect_content_format,
+    template_variables,
+)
 from prompt.tokenizer import TokenizerFiles
-from prompt.turns import DEFAULT_MAX_TURN_BYTES, Turn, TurnMemo
 from prompt.words import DEFAULT_MAX_WORDS
-
-ContentFormatOption = Literal["auto", "string", "openai"]
 
 _HF_CHAT_PARAMS = frozenset(
     {
@@ -99,40 +112,26 @@ _HF_CHAT_PARAMS = frozenset(
 """Parameters of transformers 5.x ``apply_chat_template`` (vLLM always accepts them)."""
 _NOT_TEMPLATE_VARS = _HF_CHAT_PARAMS - {"documents"}
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-_UNSET = (None, "auto")
-
-
-@dataclass(frozen=True, slots=True)
-class RenderOptions:
-    """The replica's rendering flags for one model (``vllm serve`` equivalents)."""
-
-    chat_template: str | None = None
-    """``--chat-template``: a template name of the tokenizer, or a template literal."""
-    content_format: ContentFormatOption = "auto"
-    """``--chat-template-content-format``."""
-    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """``--default-chat-template-kwargs``."""
-    trust_request_chat_template: bool = False
-    """``--trust-request-chat-template``."""
-    exclude_tools_when_tool_choice_none: bool = False
-    """``--exclude-tools-when-tool-choice-none``."""
-    max_model_len: int | None = None
-    """Only needed for ``truncate_prompt_tokens=-1``."""
-    truncation_side: Literal["left", "right"] = "left"
-    """The tokenizer's truncation side in the engine: vLLM's ``get_tokenizer`` forces
-    ``"left"`` for generative models, whatever ``tokenizer_config.json`` says."""
 
 
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     """Token ids of one prompt; ``segments`` is ``None`` when they were truncated (the
-    pieces no longer add up to the ids, so keys are computed from the ids)."""
+    pieces no longer add up to the ids, so keys are computed from the ids).  Read-only:
+    the lists may be the conversation's cached prompt's."""
 
     token_ids: list[int]
     segments: list[Segment] | None
-    key_resume: KeyResume | None = None
-    """For ``PromptKeyer.keys``: the previous turn's key trail and the segments this
-    prompt shares with it (``None`` when there is no turn to record)."""
+    block_keys: list[RequestKey] | None = None
+    """The keys, when the renderer was given a ``Keying`` and computed them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keying:
+    """How to key a chat prompt: the key chain's parameters and the memo of states."""
+
+    keyer: PromptKeyer
+    context: KeyContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +142,16 @@ class ChatText:
     add_special_tokens: bool
     truncate_prompt_tokens: int | None
     truncation_side: Literal["left", "right"] | None
-    turn: Turn | None = None
-    """This request as the conversation's next turn will reuse it (``prompt.turns``)."""
-    base: Turn | None = None
-    """The remembered turn this one extends."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """The template a request renders with, and the kwargs it accepts."""
+
+    source: str
+    tools: object
+    kwargs: dict[str, Any]
+    content_format: ContentFormat
 
 
 class ModelRenderer:
@@ -165,60 +170,65 @@ class ModelRenderer:
         self.options = options or RenderOptions()
         self.encoder = SegmentEncoder(files.tokenizer, max_cached_tokens=max_cached_tokens,
                                       max_cached_words=max_cached_words)
-        self.turns = TurnMemo(max_bytes=max_turn_bytes)
+        self.conversations = ConversationMemo(max_bytes=max_turn_bytes)
 
     # -- chat ---------------------------------------------------------------------------
 
+    def render_chat(self, body: Mapping[str, Any], keying: Keying | None = None) -> Tokenized:
+        """Render, tokenise and (with ``keying``) key a chat body, reusing the
+        conversation's previous prompt: body -> messages -> text -> ids -> keys."""
+        request = parse_chat_request(body, self.options)
+        template = self._template(request.kwargs)
+        opened = self.conversations.open(request.messages, template.content_format)
+        if opened is None:  # not plain data: rendered whole, nothing to remember
+            conversation = build_conversation(request.messages, template.content_format)
+            text, _ = self._text(template, conversation, _has_developer(conversation), ())
+            return self._tokenize(text, request.add_special_tokens,
+                                  request.truncate_prompt_tokens, request.truncation_side)
+        previous = opened.previous
+        built = opened.messages
+        text, loops = self._text(template, built.conversation, built.has_developer,
+                                 previous.loops if previous is not None else ())
+        if request.add_special_tokens:  # the affixes break the split: encoded whole
+            self.conversations.remember(CachedPrompt(built, loops), replacing=previous)
+            return self._tokenize(text, True, request.truncate_prompt_tokens,
+                                  request.truncation_side)
+        split = self.encoder.split(text, previous.split if previous is not None else None)
+        if request.truncate_prompt_tokens is not None:
+            self.conversations.remember(CachedPrompt(built, loops, split), replacing=previous)
+            ids = split.ids
+            cut = self._truncate(ids, 0, 0, request.truncate_prompt_tokens,
+                                 request.truncation_side)
+            return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)
+        trail = None
+        if keying is not None:
+            trail = keying.keyer.trail(
+                keying.context, split.segments, shared=split.shared,
+                previous=previous.keys if previous is not None else None,
+            )
+        self.conversations.remember(CachedPrompt(built, loops, split, trail), replacing=previous)
+        return Tokenized(split.ids, split.segments, trail.keys if trail is not None else None)
+
+    def tokenize_chat(self, body: Mapping[str, Any]) -> Tokenized:
+        """Render and tokenise a chat body (``render_chat`` without keys)."""
+        return self.render_chat(body)
+
     def chat_text(self, body: Mapping[str, Any]) -> ChatText:
-        """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text."""
-        opts = self.options
-        add_generation_prompt = flag(body, "add_generation_prompt", True)
-        continue_final = flag(body, "continue_final_message", False)
-        if add_generation_prompt and continue_final:
-            raise InvalidPrompt(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                param="continue_final_message",
-            )
-        user_kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(user_kwargs, Mapping):
-            raise InvalidPrompt(
-                "chat_template_kwargs must be an object", param="chat_template_kwargs"
-            )
-        request_template = body.get("chat_template")
-        if not opts.trust_request_chat_template and (
-            request_template is not None or user_kwargs.get("chat_template") is not None
-        ):
-            raise InvalidPrompt(
-                "Chat template is passed with request, but --trust-request-chat-template "
-                "is not set. Refused request with untrusted chat template.",
-                param="chat_template",
-            )
-        tools = dump_tools(body.get("tools"))
-        if body.get("tool_choice") == "none" and opts.exclude_tools_when_tool_choice_none:
-            tools = None
-        documents = body.get("documents")
-        reasoning_effort = body.get("reasoning_effort")
-        extra: dict[str, Any] = {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final,
-            "documents": documents,
-            "reasoning_effort": reasoning_effort,
-        }
-        if reasoning_effort is not None and "enable_thinking" not in user_kwargs:
-            extra["enable_thinking"] = reasoning_effort != "none"
-        server = merge_kwargs(opts.default_chat_template_kwargs, {"tools": tools})
-        kwargs = merge_kwargs(server, merge_kwargs(user_kwargs, extra))
-        template_name = request_template if request_template is not None else opts.chat_template
-        kwargs = merge_kwargs(kwargs, {"chat_template": template_name})
-        text, turn, base = self._apply(body.get("messages"), kwargs)
-        return ChatText(
-            text=text,
-            add_special_tokens=flag(body, "add_special_tokens", False),
-            truncate_prompt_tokens=truncate_prompt_tokens(body),
-            truncation_side=truncation_side(body),
-            turn=turn,
-            base=base,
-        )
+        """Render a ``/v1/chat/completions`` (or ``/tokenize`` chat) body to text (from
+        the conversation's previous prompt where it applies; nothing is remembered)."""
+        request = parse_chat_request(body, self.options)
+        template = self._template(request.kwargs)
+        opened = self.conversations.open(request.messages, template.content_format)
+        if opened is None:
+            conversation = build_conversation(request.messages, template.content_format)
+            text, _ = self._text(template, conversation, _has_developer(conversation), ())
+        else:
+            previous = opened.previous
+            text, _ = self._text(template, opened.messages.conversation,
+                                 opened.messages.has_developer,
+                                 previous.loops if previous is not None else ())
+        return ChatText(text, request.add_special_tokens, request.truncate_prompt_tokens,
+                        request.truncation_side)
 
     def apply_chat_template(self, messages: object, kwargs: Mapping[str, Any]) -> str:
         """vLLM's ``safe_apply_chat_template(..., tokenize=False, **kwargs)``.
@@ -226,11 +236,13 @@ class ModelRenderer:
         ``kwargs`` holds ``tools``, ``chat_template`` and everything else vLLM would pass
         (``add_generation_prompt``, ``documents``, template variables ...).
         """
-        return self._apply(messages, kwargs)[0]
+        template = self._template(kwargs)
+        conversation = build_conversation(messages, template.content_format)
+        return self._text(template, conversation, _has_developer(conversation), ())[0]
 
-    def _apply(
-        self, messages: object, kwargs: Mapping[str, Any]
-    ) -> tuple[str, Turn | None, Turn | None]:
+    def _template(self, kwargs: Mapping[str, Any]) -> _Template:
+        """The template source for ``kwargs`` (``tools``, ``chat_template``), its content
+        format and the kwargs it accepts."""
         kwargs = dict(kwargs)
         tools = kwargs.pop("tools", None)
         requested = kwargs.pop("chat_template", None)
@@ -241,29 +253,24 @@ class ModelRenderer:
             raise TemplateRejected(str(exc)) from exc
         fmt = self.options.content_format
         content_format = detect_content_format(source) if fmt == "auto" else fmt
-        started = self.turns.begin(messages, content_format)
-        turn, base = started if started is not None else (None, None)
-        if turn is not None:
-            conversation = list(turn.conversation)  # the turn's own list stays as built
-        else:
-            conversation = build_conversation(messages, content_format)
-        developer = (
-            turn.has_developer
-            if turn is not None
-            else any(m["role"] == "developer" for m in conversation)
-        )
-        if developer and not ('"developer"' in source or "'developer'" in source):
-            conversation = convert_developer_role(conversation)
         accepted = template_variables(source) | _HF_CHAT_PARAMS
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        text, loops = self._render(
-            source, conversation, tools, kwargs, base.loops if base is not None else ()
-        )
-        if turn is not None:
-            turn.loops = loops
-            turn.text = text
-            self.turns.remember(turn, base)
-        return text, turn, base
+        return _Template(source, tools, {k: v for k, v in kwargs.items() if k in accepted},
+                         content_format)
+
+    def _text(
+        self,
+        template: _Template,
+        conversation: list[Message],
+        has_developer: bool,
+        previous_loops: Sequence[LoopRecord],
+    ) -> tuple[str, list[LoopRecord]]:
+        """The text stage: built messages to the rendered prompt (and its loops)."""
+        source = template.source
+        conversation = list(conversation)  # the built list stays as built
+        if has_developer and not ('"developer"' in source or "'developer'" in source):
+            conversation = convert_developer_role(conversation)
+        return self._render(source, conversation, template.tools, dict(template.kwargs),
+                            previous_loops)
 
     def _render(
         self,
@@ -321,39 +328,6 @@ class ModelRenderer:
             text = _cut_after_final(text, final_text)
         return text, loops
 
-    def tokenize_chat(self, body: Mapping[str, Any]) -> Tokenized:
-        """Render and tokenise a chat body."""
-        return self.tokenize_text(self.chat_text(body))
-
-    def tokenize_text(self, chat: ChatText) -> Tokenized:
-        """Tokenise a rendered chat prompt (resuming its base turn's split)."""
-        turn = chat.turn
-        if turn is None or chat.add_special_tokens:
-            return self._tokenize(
-                chat.text,
-                chat.add_special_tokens,
-                chat.truncate_prompt_tokens,
-                chat.truncation_side,
-            )
-        base = chat.base
-        previous: TextSplit | None = None
-        trail: KeyTrail | None = None
-        if base is not None:
-            # The base turn was replaced (``TurnMemo.remember``): its split and key
-            # trail are given up to this turn, which may take their lists over.
-            previous, base.split = base.split, None
-            trail = base.keys.trail if base.keys is not None else None
-            base.keys = None
-        split = self.encoder.split(chat.text, previous, spend=True)
-        turn.split = split
-        self.turns.recount(turn)
-        ids = split.ids  # shared with the turn: read-only, as ``Prompt.token_ids`` is
-        if chat.truncate_prompt_tokens is None:
-            turn.keys = KeyResume(trail, split.shared)
-            return Tokenized(ids, split.segments, turn.keys)
-        cut = self._truncate(ids, 0, 0, chat.truncate_prompt_tokens, chat.truncation_side)
-        return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)
-
     # -- completions --------------------------------------------------------------------
 
     def tokenize_completion(self, body: Mapping[str, Any]) -> list[Tokenized]:
@@ -363,10 +337,10 @@ class ModelRenderer:
         if body.get("suffix") is not None:
             raise RenderUnsupported("suffix (fill-in-the-middle) is rendered by the engine")
         prompt = body.get("prompt")
-        add_special = flag(body, "add_special_tokens", True)
-        limit, side = truncate_prompt_tokens(body), truncation_side(body)
+        add_special = body_flag(body, "add_special_tokens", True)
+        limit, side = body_truncation(body), body_truncation_side(body)
         out: list[Tokenized] = []
-        for item in completion_items(prompt):
+        for item in _completion_items(prompt):
             if isinstance(item, str):
                 out.append(self._tokenize(item, add_special, limit, side))
             else:
@@ -432,6 +406,10 @@ class ModelRenderer:
         return ids[len(ids) - limit :] if side == "left" else ids[:limit]
 
 
+def _has_developer(conversation: list[Message]) -> bool:
+    return any(m["role"] == "developer" for m in conversation)
+
+
 def _tag_final_message(conversation: list[Message], field_name: str, source: str) -> str:
     # The marker goes on a copy: the built message may be shared with remembered turns.
     conversation[-1] = copy.deepcopy(conversation[-1])
@@ -473,6 +451,28 @@ def _cut_after_final(text: str, final: str) -> str:
     return text[:at].rstrip()
 
 
+def _completion_items(prompt: object) -> list[str | Sequence[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token(p) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
+            return list(prompt)
+    if prompt is None or prompt == []:
+        raise InvalidPrompt("Either prompt or prompt_embeds must be provided.", param="prompt")
+    raise InvalidPrompt(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists",
+        param="prompt",
+    )
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _index_of(haystack: list[int], needle: list[int]) -> int:
     n = len(needle)
     for i in range(len(haystack) - n + 1):
@@ -481,10 +481,4 @@ def _index_of(haystack: list[int], needle: list[int]) -> int:
     raise AssertionError("plain encoding not found inside the encoding with special tokens")
 
 
-__all__ = [
-    "ChatText",
-    "ContentFormatOption",
-    "ModelRenderer",
-    "RenderOptions",
-    "Tokenized",
-]
+__all__ = ["ChatText", "Keying", "ModelRenderer", "Tokenized"]

@@ -47,11 +47,7 @@ if two texts agree on their first ``P`` characters, every cut ending at or befor
 of its own from there.  ``split`` finds ``P`` by comparing the texts (memcmp speed),
 takes the previous segments up to the last such cut and cuts only the remainder.
 Reused pieces are not refreshed in the LRU (they are not looked up).  The ids up to
-that cut are the previous split's ids; when the caller gives the previous split up
-(``spend``, its turn was replaced) and nothing else holds its id list (the previous
-prompt is gone, as it is in the router by the next turn: ``sys.getrefcount``), the list
-is truncated and extended in place instead of copied, so a turn's cost does not grow
-with the conversation's token count.
+that cut are a copy of the previous split's (a split is a value: nothing changes it).
 
 The encoder is not thread-safe; it belongs to one event loop.
 """
@@ -59,7 +55,6 @@ The encoder is not thread-safe; it belongs to one event loop.
 from __future__ import annotations
 
 import itertools
-import sys
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -69,7 +64,7 @@ from operator import itemgetter
 
 from tokenizers import Tokenizer
 
-from prompt.special_split import build_splitters
+from prompt.added_tokens import build_splitters
 from prompt.words import DEFAULT_MAX_WORDS, WordEncoder
 
 Segment = tuple[int, Sequence[int]]
@@ -90,20 +85,6 @@ def _cost(key: str, ids: Sequence[int]) -> int:
     """What a cached piece counts against ``max_cached_tokens``."""
     return len(ids) + len(key) // _CHARS_PER_ID + _ENTRY_IDS
 
-EXACT_REFCOUNTS = (
-    sys.implementation.name == "cpython"
-    and sys.version_info < (3, 14)
-    and bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-)
-"""Whether ``sys.getrefcount`` counts every holder of an object.  CPython 3.14 may skip
-the count of a borrowed reference on the stack (its result can be lower than the
-holders), and the free-threaded build defers counts: there a list is never taken to be
-unshared, and reuse in place is off (lists are copied, as without this optimisation)."""
-
-_HELD_BY_THE_SPLIT_ONLY = 2
-"""``sys.getrefcount`` of a split's id list that only the split holds (its field and
-the call's argument): no prompt, no ``Tokenized`` sees it, so it may be reused."""
-
 @dataclass(slots=True)
 class SegmentStats:
     """Counters of one encoder; plain ints for the router's metrics to read."""
@@ -116,19 +97,16 @@ class SegmentStats:
     """Segments taken over from a previous split (``SegmentEncoder.split``)."""
     by_words: int = 0
     """New pieces encoded word by word (``prompt.words``), of ``misses``."""
-    taken_over: int = 0
-    """Splits that took the previous split's id list over (``split(..., spend=True)``)."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TextSplit:
     """A text cut into segments, and the cuts a longer text sharing its start may keep.
 
     ``offsets[i]`` is where the ``i``-th added token matched on the raw text ends
     (ascending), ``counts[i]`` the number of segments and ``tokens[i]`` the number of
-    token ids up to there.  ``ids`` are the segments' ids concatenated (read-only).
-    A value, except that ``SegmentEncoder.split(..., spend=True)`` may take its id list
-    over; it then empties ``offsets``, so that nothing resumes from it again.
+    token ids up to there.  ``ids`` are the segments' ids concatenated.  A value: treat
+    every field as read-only.
     """
 
     text: str
@@ -193,15 +171,8 @@ class SegmentEncoder:
             return [*prefix, *self._pieces(text), *suffix]
         return self._pieces(text)
 
-    def split(
-        self, text: str, previous: TextSplit | None = None, *, spend: bool = False
-    ) -> TextSplit:
-        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc).
-
-        With ``spend`` the caller gives ``previous`` up: when nothing else holds its id
-        list (the previous prompt is gone), the new split truncates and extends that
-        list instead of copying it, and ``previous`` is emptied.
-        """
+    def split(self, text: str, previous: TextSplit | None = None) -> TextSplit:
+        """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
         if not self.splittable or self._raw_split is None:
             pieces = self._pieces(text)
             ids = [i for _, piece in pieces for i in piece]
@@ -220,14 +191,7 @@ class SegmentEncoder:
                 segments = previous.segments[:shared]
                 offsets, counts = previous.offsets[:kept], previous.counts[:kept]
                 tokens = previous.tokens[:kept]
-                if (spend and EXACT_REFCOUNTS
-                        and sys.getrefcount(previous.ids) == _HELD_BY_THE_SPLIT_ONLY):
-                    ids = previous.ids
-                    del ids[tokens[-1] :]
-                    previous.offsets = array("q")  # spent: nothing resumes from it
-                    self.stats.taken_over += 1
-                else:
-                    ids = previous.ids[: tokens[-1]]
+                ids = previous.ids[: tokens[-1]]
                 self.stats.reused += shared
         self._cut(text[start:] if start else text, segments, start, offsets, counts)
         # The ids of the segments cut just now, and the token counts at their cuts.
@@ -309,8 +273,11 @@ class SegmentEncoder:
                             cache.move_to_end(sub)
                             out.append(seg)
                             self.stats.hits += 1
-        if not missing:
-            return
+        if missing:
+            self._encode_missing(missing, out)
+
+    def _encode_missing(self, missing: dict[str, list[int]], out: list[Segment]) -> None:
+        """Encode the new pieces and put their segments at their positions in ``out``."""
         # New pieces go word by word where ``prompt.words`` can (ASCII text, most words
         # known: a regex scan and a lookup per word, a third of the tokenizer's time).
         # The rest are encoded in one call without character offsets (a quarter of the

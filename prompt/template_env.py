@@ -22,10 +22,6 @@ Two questions vLLM answers by reading the template's AST, reproduced here rule f
   ``chat_template_kwargs`` reach the template (``resolve_chat_template_kwargs``).
 
 Compiled templates and both answers are cached by template source (bounded).
-:class:`FastRender` renders a compiled template as ``Template.render`` does, with the
-template's globals flattened once instead of at every rendering (``Template.render``
-rebuilds them from a ``ChainMap`` into each new context: half the cost of rendering
-a short loop body).
 ``message_list_names``, ``iterates_over`` and ``is_generation_block`` expose the same
 AST rules (which variables alias ``messages``, which loops run over them, the
 generation tag) to ``prompt.message_loop``.  This module does not touch messages or
@@ -37,7 +33,6 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Literal
@@ -110,39 +105,6 @@ def compile_template(source: str) -> jinja2.Template:
     Raises ``jinja2.TemplateSyntaxError`` for a template that does not parse.
     """
     return make_environment().from_string(source)
-
-
-@dataclass(frozen=True, slots=True)
-class FastRender:
-    """``template.render(variables)`` with the template's globals flattened once.
-
-    The environments here are built by :func:`make_environment` and never changed
-    afterwards, so the flattened globals stay what ``Template.render`` would merge.
-    """
-
-    template: jinja2.Template
-    globals: dict[str, Any]
-
-    @classmethod
-    def of(cls, template: jinja2.Template) -> FastRender:
-        """Flatten ``template``'s globals (environment globals under template globals)."""
-        return cls(template, dict(template.globals))
-
-    def render(self, variables: dict[str, Any]) -> str:
-        """What ``self.template.render(variables)`` returns (or raises)."""
-        template = self.template
-        env = template.environment
-        context = env.context_class(
-            env,
-            {**self.globals, **variables},
-            template.name,
-            template.blocks,
-            globals=self.globals,
-        )
-        try:
-            return env.concat(template.root_render_func(context))
-        except Exception:
-            env.handle_exception()
 
 
 @lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
@@ -306,7 +268,6 @@ def _content_loops(root: jinja2.nodes.Node) -> Iterator[jinja2.nodes.For]:
 
 __all__ = [
     "ContentFormat",
-    "FastRender",
     "compile_template",
     "detect_content_format",
     "is_generation_block",

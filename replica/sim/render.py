@@ -17,8 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from prompt.chat_options import RenderOptions
 from prompt.errors import InvalidPrompt, RenderUnsupported
-from prompt.render import ModelRenderer, RenderOptions
+from prompt.render import ModelRenderer
 from prompt.tokenizer import load_tokenizer_files
 
 

@@ -5,21 +5,19 @@ free variables set before the loop, ``continue``, ``{% generation %}``) and temp
 that must be refused (``loop.last``, neighbours through ``messages``, namespaces,
 ``break``, macros, time), over random conversations rendered turn after turn: the
 output always equals the plain Jinja rendering, reuse happens only where it is sound,
-and a refused template is never transformed.  ``FastRender`` renders (and fails) as
-``Template.render`` does.
+and a refused template is never transformed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prompt.message_loop import LoopFallback, LoopRecord, MessageLoops, message_loops
-from prompt.template_env import FastRender, compile_template
+from prompt.template_env import compile_template
 from replica.vllm.tiny_tokenizer import CHATML_TEMPLATE, LLAMA3_TEMPLATE
 
 ACCEPTED = {
@@ -135,7 +133,7 @@ def test_turn_after_turn_equals_plain_rendering(
     source = ACCEPTED[name]
     base: list[LoopRecord] = []
     # Requests over growing, shrinking and repeated prefixes of one conversation; the
-    # message objects are shared between requests, as the turn memo shares them.
+    # message objects are shared between requests, as the conversation memo shares them.
     for cut in [*cuts, len(conversation)]:
         extra = {} if sep is None else {"sep": sep}
         reference, (text, records) = _render_both(
@@ -197,25 +195,6 @@ def test_free_variables_that_are_not_plain_data_fall_back() -> None:
     source = ACCEPTED["kwarg_in_body"]
     with pytest.raises(LoopFallback):
         message_loops(source).render(_context([{"role": "user", "content": "x"}], sep=object()))
-
-
-@pytest.mark.parametrize("name", sorted(ACCEPTED))
-@settings(max_examples=40, deadline=None)
-@given(conversation=messages)
-def test_fast_render_equals_template_render(
-    name: str, conversation: list[dict[str, Any]]
-) -> None:
-    template = compile_template(ACCEPTED[name])
-    context = _context(conversation)
-    try:
-        expected: Any = template.render(**context)
-    except jinja2.TemplateError as exc:
-        expected = (type(exc), str(exc))
-    try:
-        got: Any = FastRender.of(template).render(dict(context))
-    except jinja2.TemplateError as exc:
-        got = (type(exc), str(exc))
-    assert got == expected
 
 
 def test_a_free_variable_that_comes_and_goes_is_never_reused_across() -> None:

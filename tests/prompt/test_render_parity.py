@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from prompt.render import ModelRenderer, RenderOptions
+from prompt.chat_options import RenderOptions
+from prompt.render import ModelRenderer
 from prompt.tokenizer import load_tokenizer_files
 
 VARIANTS = ["llama3", "chatml", "chatml_prefix", "llama3_extra"]

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from prompt.chat_messages import build_conversation
+from prompt.chat_options import RenderOptions, dump_tools, merge_kwargs
 from prompt.errors import InvalidPrompt, RenderUnsupported, TemplateRejected
-from prompt.render import ModelRenderer, RenderOptions
-from prompt.request_fields import dump_tools, merge_kwargs
+from prompt.render import ModelRenderer
 from prompt.template_env import compile_template, detect_content_format
 from prompt.tokenizer import load_tokenizer_files
 

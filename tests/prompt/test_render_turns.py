@@ -1,12 +1,13 @@
 """Turn N+1 computed from turn N equals rendering and encoding the request whole.
 
 Every request is a fresh copy of its body, as a new HTTP request is.  Over random
-conversations sent turn after turn (growing, repeated, branched, edited, pre-warmed, with
-generation prompt on and off, thinking switched, salts and adapters varied) the text
+conversations sent turn after turn (growing, repeated, branched, edited, followed by a
+reply rendered without a generation prompt, with generation prompt on and off, thinking
+switched, salts and adapters varied) the text
 equals transformers' ``apply_chat_template``, the ids equal ``tokenizers`` on the whole
 text and the block keys equal ``block_keys`` over the ids.  The pieces underneath are
 checked on their own: ``SegmentEncoder.split`` resuming any previous split equals a
-fresh split, ``PromptKeyer.keys`` resuming any trail equals ``block_keys``, and
+fresh split, ``PromptKeyer.trail`` resuming any trail equals ``block_keys``, and
 ``plain_bytes`` tells apart what a template prints differently.  Negative cases: values
 that are equal to Python but not to a template, non-plain messages, a resumed trail
 under another key context, texts that share less than a whole added token.
@@ -26,12 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvkeys.keys import block_keys
-from prompt.keyer import KeyContext, KeyResume, PromptKeyer
+from prompt.conversation import CachedPrompt, ConversationMemo
+from prompt.keyer import KeyContext, PromptKeyer
 from prompt.plain_data import plain_bytes
 from prompt.registry import ModelSpec, RendererRegistry
-from prompt.segments import EXACT_REFCOUNTS, SegmentEncoder
+from prompt.render import Keying
+from prompt.segments import SegmentEncoder
+from prompt.template_env import detect_content_format
 from prompt.tokenizer import load_tokenizer_files
-from prompt.turns import TurnMemo
 from tests.prompt import tokenizer_text
 from tests.prompt.tokenizer_text import VARIANTS
 
@@ -65,7 +68,7 @@ conversations = st.lists(a_message(), min_size=1, max_size=7)
 requests = st.lists(
     st.tuples(
         st.integers(1, 7),  # how many messages
-        st.sampled_from(["plain", "plain", "prewarm", "no_gen", "no_think", "edit", "salt"]),
+        st.sampled_from(["plain", "plain", "reply", "no_gen", "no_think", "edit", "salt"]),
     ),
     min_size=1,
     max_size=6,
@@ -144,8 +147,11 @@ def test_turns_equal_whole_rendering(
             cache_salt=body.get("cache_salt"),
             lora_name=f"{variant}-lora" if kind == "salt" else None,
         )
-        if kind == "prewarm":
-            registry.prewarm_reply(body, "a reply <|eot_id|> with <|im_end|> specials")
+        if kind == "reply":  # the conversation and its reply, which the next turn extends
+            reply = {"role": "assistant", "content": "a reply <|eot_id|> with <|im_end|> specials"}
+            registry.render_chat(
+                {**body, "messages": [*messages, reply], "add_generation_prompt": False}
+            )
 
 
 def test_next_turn_reuses_the_previous_one(registry: RendererRegistry) -> None:
@@ -157,22 +163,27 @@ def test_next_turn_reuses_the_previous_one(registry: RendererRegistry) -> None:
         {"role": "user", "content": "question " * 20},
     ]
     registry.render_chat({"model": "llama3", "messages": copy.deepcopy(history)})
-    hits, reused = renderer.turns.stats.hits, renderer.encoder.stats.reused
+    memo = renderer.conversations
+    held = len(memo)
+    hits, reused = memo.stats.hits, renderer.encoder.stats.reused
     keyer_misses = registry.keyer.misses
     grown = [*history, {"role": "assistant", "content": "answer " * 30}]
     grown.append({"role": "user", "content": "next"})
-    chat = renderer.chat_text({"model": "llama3", "messages": copy.deepcopy(grown)})
-    assert chat.base is not None and chat.turn is not None
-    assert chat.turn.conversation[:2] == chat.base.conversation
-    assert chat.turn.conversation[0] is chat.base.conversation[0]
-    tok = renderer.tokenize_text(chat)
-    assert renderer.turns.stats.hits == hits + 1
+    fmt = detect_content_format(renderer.files.chat_template(None, has_tools=False))
+    opened = memo.open(copy.deepcopy(grown), fmt)
+    assert opened is not None and opened.previous is not None
+    previous = opened.previous.messages.conversation
+    assert opened.messages.conversation[:2] == previous
+    assert opened.messages.conversation[0] is previous[0]  # built once, shared
+    tok = renderer.render_chat(
+        {"model": "llama3", "messages": copy.deepcopy(grown)},
+        Keying(registry.keyer, target.key_context(None)),
+    )
+    assert memo.stats.hits == hits + 2
     assert renderer.encoder.stats.reused > reused
-    assert tok.key_resume is not None and tok.key_resume.shared > 0
-    keys = registry.keyer.keys(target.key_context(None), tok.segments or [], resume=tok.key_resume)
-    assert keys == block_keys(tok.token_ids, 4, model="llama3")
-    new_segments = len(tok.segments or []) - tok.key_resume.shared
-    assert 0 < registry.keyer.misses - keyer_misses <= new_segments < 20  # the new text only
+    assert tok.block_keys == block_keys(tok.token_ids, 4, model="llama3")
+    assert 0 < registry.keyer.misses - keyer_misses < 20  # the new text only
+    assert len(memo) == held  # the new prompt replaced the previous one
 
 
 def test_values_equal_to_python_but_not_to_a_template_are_not_reused(
@@ -238,8 +249,9 @@ def test_messages_that_are_not_plain_data_are_rendered_without_a_turn(
     renderer = registry.resolve("llama3").renderer
     assert renderer is not None
     body = {"model": "llama3", "messages": [OrderedDict(role="user", content="hi")]}
-    chat = renderer.chat_text(body)
-    assert chat.turn is None
+    remembered = len(renderer.conversations)
+    renderer.tokenize_chat(body)
+    assert len(renderer.conversations) == remembered
     plain = {"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}
     assert renderer.tokenize_chat(body).token_ids == renderer.tokenize_chat(plain).token_ids
 
@@ -267,33 +279,33 @@ def test_continuing_a_reused_final_message_leaves_the_turn_intact(
     )
 
 
+def _remember(memo: ConversationMemo, messages: object, fmt: Any = "string") -> Any:
+    opened = memo.open(messages, fmt)
+    assert opened is not None
+    memo.remember(CachedPrompt(opened.messages), replacing=opened.previous)
+    return opened
+
+
 def test_the_memo_is_bounded() -> None:
-    memo = TurnMemo(max_bytes=2_000)
+    memo = ConversationMemo(max_bytes=2_000)
     for i in range(50):
-        started = memo.begin([{"role": "user", "content": f"conversation {i} " * 5}], "string")
-        assert started is not None
-        turn, base = started
-        turn.text = "x" * 100
-        memo.remember(turn, base)
+        _remember(memo, [{"role": "user", "content": f"conversation {i} " * 5}])
         assert memo.held_bytes <= 2_000
     assert memo.stats.evictions > 0
     assert 0 < len(memo) < 50
-    assert memo.begin("not a list", "string") is None
-    assert memo.begin([], "string") is None
+    assert memo.open("not a list", "string") is None
+    assert memo.open([], "string") is None
 
 
 def test_a_turn_replaces_its_base() -> None:
-    memo = TurnMemo()
-    started = memo.begin([{"role": "user", "content": "a"}], "string")
-    assert started is not None
-    memo.remember(*started)
-    started = memo.begin(
-        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "string"
+    memo = ConversationMemo()
+    _remember(memo, [{"role": "user", "content": "a"}])
+    opened = _remember(
+        memo, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     )
-    assert started is not None and started[1] is not None
-    memo.remember(*started)
+    assert opened.previous is not None
     assert len(memo) == 1
-    assert memo.begin([{"role": "user", "content": "a"}], "openai") is not None
+    assert memo.open([{"role": "user", "content": "a"}], "openai") is not None
     assert memo.stats.hits == 1
 
 
@@ -367,19 +379,17 @@ def test_resumed_keys_equal_block_keys(
 ) -> None:
     keyer = PromptKeyer(max_nodes=7)  # small: generational resets happen mid-prompt
     ctx = KeyContext(model="m", block_size=block_size, cache_salt=salt)
-    resume = KeyResume(None, 0)
-    keyer.keys(ctx, first, resume=resume)
-    assert resume.trail is not None
+    trail = keyer.trail(ctx, first)
+    kept = list(trail.keys)
     shared = min(shared, len(first))
     second = [*first[:shared], *((s + 100, p) for s, p in tail)]
     ctx2 = KeyContext(model="m2", block_size=block_size) if other_ctx else ctx
-    resume2 = KeyResume(resume.trail, shared)
-    keys = keyer.keys(ctx2, second, resume=resume2)
+    trail2 = keyer.trail(ctx2, second, previous=trail, shared=shared)
     ids = [i for _, p in second for i in p]
     expected = block_keys(ids, block_size, model=ctx2.model, cache_salt=ctx2.cache_salt)
-    assert keys == expected
-    assert resume2.base is None and resume2.trail is not None
-    assert len(resume2.trail.nodes) == len(second)
+    assert trail2.keys == expected == keyer.keys(ctx2, second)
+    assert len(trail2.nodes) == len(second)
+    assert trail.keys == kept  # the previous trail is a value: unchanged
 
 
 def test_plain_bytes_tells_apart_what_templates_print_differently() -> None:
@@ -399,31 +409,35 @@ def test_plain_bytes_tells_apart_what_templates_print_differently() -> None:
 def test_a_developer_message_in_a_later_turn_is_converted_as_from_scratch(
     registry: RendererRegistry,
 ) -> None:
-    """The turn remembers whether its conversation holds a developer message; a later
-    turn that adds one (or keeps one from its base) renders as the request alone does."""
+    """The cached prompt remembers whether its conversation holds a developer message; a
+    later turn that adds one (or keeps one from its base) renders as the request alone
+    does."""
     target = registry.resolve("llama3")  # its template refuses an unconverted developer
     assert target.renderer is not None
     renderer = target.renderer
+    memo = renderer.conversations
     history: list[dict[str, Any]] = [{"role": "user", "content": "q1"}]
     turns = [
         [{"role": "assistant", "content": "a1"}, {"role": "developer", "content": "be brief"}],
         [{"role": "user", "content": "q2"}],
         [{"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}],
     ]
+    fmt = detect_content_format(renderer.files.chat_template(None, has_tools=False))
     for added in [[], *turns]:
         history = [*history, *added]
         body = {"model": "llama3", "messages": copy.deepcopy(history)}
-        incremental = renderer.chat_text(copy.deepcopy(body))
-        assert incremental.base is not None or not added
-        whole = TurnMemo()
-        renderer.turns, memo = whole, renderer.turns
+        hits = memo.stats.hits
+        incremental = renderer.tokenize_chat(copy.deepcopy(body))
+        assert memo.stats.hits == hits + 1 or not added
+        renderer.conversations = ConversationMemo()
         try:
-            fresh = renderer.chat_text(copy.deepcopy(body)).text
+            fresh = renderer.tokenize_chat(copy.deepcopy(body))
         finally:
-            renderer.turns = memo
-        assert incremental.text == fresh
-        assert incremental.turn is not None
-        assert incremental.turn.has_developer == any(m["role"] == "developer" for m in history)
+            renderer.conversations = memo
+        assert incremental.token_ids == fresh.token_ids
+        opened = memo.open(copy.deepcopy(history), fmt)
+        assert opened is not None
+        assert opened.messages.has_developer == any(m["role"] == "developer" for m in history)
 
 
 @pytest.mark.parametrize("variant", ["llama3", "chatml"])
@@ -441,11 +455,10 @@ def test_lists_of_released_prompts_are_reused_and_held_ones_never_change(
     registry: RendererRegistry,
     hf_tokenizer: Callable[[str], Any],
 ) -> None:
-    """A turn takes its base's id and key lists over only when the base's prompt is
-    gone; a prompt still held keeps its ids and keys, and every prompt equals the
-    request rendered and keyed whole.  Requests mostly grow the conversation (the next
-    turn), sometimes repeat it (a retry) or step back (a branch), prompts are held or
-    dropped at random."""
+    """A prompt still held keeps its ids and keys whatever later turns do, and every
+    prompt equals the request rendered and keyed whole.  Requests mostly grow the
+    conversation (the next turn), sometimes repeat it (a retry) or step back (a branch),
+    prompts are held or dropped at random."""
     target = registry.resolve(variant)
     assert target.renderer is not None
     enc = target.renderer.encoder
@@ -459,7 +472,7 @@ def test_lists_of_released_prompts_are_reused_and_held_ones_never_change(
         prompt = registry.render_chat({"model": variant, "messages": messages})
         text = hf_tokenizer(variant).apply_chat_template(
             _reference_conversation(messages), tokenize=False, add_generation_prompt=True
-        )  # not through the renderer: its turn memo is what is under test
+        )  # not through the renderer: its conversation memo is what is under test
         assert prompt.token_ids == enc.encode_uncached(text)
         assert prompt.block_keys == block_keys(
             prompt.token_ids, target.spec.block_size, model=variant
@@ -469,34 +482,3 @@ def test_lists_of_released_prompts_are_reused_and_held_ones_never_change(
         del prompt
         for old, ids, keys in kept:
             assert old.token_ids == ids and old.block_keys == keys
-
-
-def test_the_next_turn_takes_over_the_lists_of_a_released_prompt(
-    registry: RendererRegistry,
-) -> None:
-    target = registry.resolve("llama3")
-    assert target.renderer is not None
-    stats, keyer = target.renderer.encoder.stats, registry.keyer
-    history = [
-        {"role": "system", "content": "a system prompt to take over " * 40},
-        {"role": "user", "content": "a question " * 20},
-    ]
-    later = [*history, {"role": "assistant", "content": "an answer " * 30}]
-    later.append({"role": "user", "content": "next"})
-    third = [*later, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "q"}]
-    first = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(history)})
-    held_ids, held_keys = list(first.token_ids), list(first.block_keys)
-    # Held: the next turn copies, and the held prompt is untouched.
-    taken, keys_taken = stats.taken_over, keyer.taken_over
-    second = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(later)})
-    assert (stats.taken_over, keyer.taken_over) == (taken, keys_taken)
-    assert first.token_ids == held_ids and first.block_keys == held_keys
-    # Released: the turn after takes the lists over, truncated and extended (where
-    # reference counts are exact; elsewhere it copies).
-    del first, second
-    prompt = registry.render_chat({"model": "llama3", "messages": copy.deepcopy(third)})
-    over = 1 if EXACT_REFCOUNTS else 0
-    assert (stats.taken_over, keyer.taken_over) == (taken + over, keys_taken + over)
-    text = target.renderer.chat_text({"model": "llama3", "messages": third}).text
-    assert prompt.token_ids == target.renderer.encoder.encode_uncached(text)
-    assert prompt.block_keys == block_keys(prompt.token_ids, 4, model="llama3")

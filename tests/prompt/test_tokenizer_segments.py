@@ -187,45 +187,8 @@ def test_warm_turn_encodes_only_new_pieces(registry: RendererRegistry) -> None:
 def test_splitter_is_leftmost_longest_like_the_regex(tokens: list[str], text: str) -> None:
     import re
 
-    from prompt.special_split import SpecialTokenSplitter
+    from prompt.added_tokens import Splitter
 
     ordered = sorted(set(tokens), key=lambda t: (-len(t), t))
     regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
-    assert SpecialTokenSplitter(tokens).split(text) == regex.split(text)
-
-
-@pytest.mark.parametrize("variant", ["llama3", "chatml"])
-def test_prewarmed_reply_leaves_only_the_user_message(
-    variant: str, registry: RendererRegistry
-) -> None:
-    target = registry.resolve(variant)
-    assert target.renderer is not None
-    enc = target.renderer.encoder
-    first = {
-        "model": variant,
-        "messages": [{"role": "user", "content": "first question about caches"}],
-        "cache_salt": "t",
-    }
-    reply = "a long assistant reply about prefix caching " * 5
-    registry.render_chat(first)
-    registry.prewarm_reply(first, reply)
-    nxt = {
-        **first,
-        "messages": [
-            *first["messages"],
-            {"role": "assistant", "content": reply},
-            {"role": "user", "content": "and a follow-up"},
-        ],
-    }
-    before = enc.stats.tokens_encoded
-    prompt = registry.render_chat(nxt)
-    encoded = enc.stats.tokens_encoded - before
-    assert encoded <= 12 < len(enc.encode_uncached(reply))  # the follow-up, not the reply
-    whole = enc.encode_uncached(target.renderer.chat_text(nxt).text)
-    assert prompt.token_ids == whole
-    assert prompt.block_keys == block_keys(
-        whole, target.spec.block_size, model=variant, cache_salt="t"
-    )
-    registry.prewarm_reply({"model": "unknown", "messages": []}, "x")  # never raises
-    registry.prewarm_reply({**first, "cache_salt": "bad/salt"}, "x")
-    registry.prewarm_reply({"model": variant, "messages": "not a list"}, "x")
+    assert Splitter(tokens).split(text) == regex.split(text)

@@ -1,10 +1,10 @@
-"""Splitting prompt text at a tokenizer's added (special) tokens, and whether that is exact.
+"""Cutting text at a tokenizer's added tokens, and whether that is exact.
 
-A tokenizer matches added tokens before its pre-tokenizer and model see the text, so the
-pieces between them can be encoded separately (``prompt.segments``) only when no added
-token strips, matches whole words or is matched after normalisation, and the
-pre-tokenizer acts on each piece independently; ``build_splitters`` checks that from the
-tokenizer's JSON and says why not otherwise.
+``Splitter`` cuts a text around any of a set of tokens, leftmost-longest, as
+``tokenizers`` matches its added vocabulary.  ``build_splitters`` reads a tokenizer's
+specification and returns the splitters for the tokens matched on the raw text and
+after normalisation, or the reason why encoding the pieces separately would differ from
+encoding the whole text (``prompt.segments`` then encodes whole texts).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import re
 from typing import Any
 
 from tokenizers import Tokenizer
-
-__all__ = ["SpecialTokenSplitter", "build_splitters"]
 
 _SAFE_PRE_TOKENIZERS = frozenset(
     {
@@ -34,7 +32,8 @@ _SAFE_PRE_TOKENIZERS = frozenset(
 )
 
 
-class SpecialTokenSplitter:
+
+class Splitter:
     """Splits text around any of ``tokens``, leftmost-longest, like ``re.split`` with a
     capturing alternation: ``[text, token, text, ..., token, text]``.
 
@@ -54,7 +53,6 @@ class SpecialTokenSplitter:
         self._regex = re.compile("(" + "|".join(re.escape(t) for t in ordered) + ")")
 
     def split(self, text: str) -> list[str]:
-        """``[text, token, text, ..., token, text]``."""
         by_first = self._by_first
         if len(by_first) > self._MAX_FIRST_CHARS:
             return self._regex.split(text)
@@ -103,15 +101,15 @@ class SpecialTokenSplitter:
         return out
 
 
-def _alternation(tokens: list[str]) -> SpecialTokenSplitter | None:
-    return SpecialTokenSplitter(tokens) if tokens else None
+def _alternation(tokens: list[str]) -> Splitter | None:
+    return Splitter(tokens) if tokens else None
 
 
 def build_splitters(
     tokenizer: Tokenizer, added: dict[int, Any]
-) -> tuple[SpecialTokenSplitter | None, SpecialTokenSplitter | None, str | None]:
-    """Splitters for the added tokens matched on raw text and on normalised text, or the
-    reason splitting at added tokens would not give the tokenizer's own ids."""
+) -> tuple[Splitter | None, Splitter | None, str | None]:
+    """The splitters for added tokens matched on the raw text and after normalisation,
+    or the reason why cutting the text at added tokens would not be exact."""
     spec = json.loads(tokenizer.to_str())
     has_normalizer = spec.get("normalizer") is not None
     raw: list[str] = []
@@ -149,3 +147,6 @@ def _pre_tokenizer_reason(node: Any) -> str | None:
     if kind not in _SAFE_PRE_TOKENIZERS:
         return f"pre-tokenizer {kind} is not known to act on each piece independently"
     return None
+
+
+__all__ = ["Splitter", "build_splitters"]
