@@ -39,7 +39,8 @@ class SessionPolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ring = ring if ring is not None else AffinityRing()
-        self.sessions = sessions if sessions is not None else SessionTable(max_token_bytes=0)
+        # No tokens kept: the bytes bound only counts the entries (512 bytes each).
+        self.sessions = sessions if sessions is not None else SessionTable()
         self._metrics = metrics
         self._clock = clock
 
