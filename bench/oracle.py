@@ -2,7 +2,7 @@
 
 Definitions (all counts in prompt tokens, with vLLM's rules: only full blocks are cached,
 a request can hit at most ``(n - 1) // B`` leading blocks, keys chained with the
-``cache_salt`` folded into block 0, exactly ``index.keys``):
+``cache_salt`` folded into block 0, exactly ``kvkeys.keys``):
 
 * ``oracle``: the same fleet (``replicas`` caches of ``blocks_per_replica`` blocks each,
   LRU eviction like vLLM's free queue), but every request goes to the replica that holds
@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from index.keys import block_keys
+from kvkeys.keys import block_keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aio.task_owner import TaskOwner
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, error_body, to_response
@@ -57,8 +58,7 @@ from router.plugins import (
 )
 from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
-from router.replicas import ReplicaRegistry
-from router.tasks import TaskOwner
+from router.replica_registry import ReplicaRegistry
 
 __all__ = ["State", "create_app"]
 

@@ -32,9 +32,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypedDict
 
-from index.prompt import Prompt
-from index.render_errors import RenderError
-from index.renderer_registry import ModelSpec, RendererRegistry
+from prompt.errors import RenderError
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry
 from router.policy import Endpoint
 
 __all__ = ["MemoBounds", "RenderWorker"]

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 import xxhash
 
-from index.prompt import validate_cache_salt
-from index.render_errors import InvalidCacheSalt
+from prompt.errors import InvalidCacheSalt
+from prompt.keyer import validate_cache_salt
 from router.errors import BadRequest, BodyTooLarge
 from router.policy import Endpoint
 from router.validate import validate_fields

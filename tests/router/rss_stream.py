@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from replica.tiny_tokenizer import build_tokenizer
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.app import create_app
 from tests.router.fake_replica import FakeReplica
 from tests.router.helpers import router_settings

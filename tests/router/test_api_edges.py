@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from index.renderer_registry import ModelSpec, RendererRegistry
-from index.types import ReplicaId
-from replica.tiny_tokenizer import build_tokenizer
+from kvkeys.types import ReplicaId
+from prompt.registry import ModelSpec, RendererRegistry
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.kv_services import RegistryPrompts
 from router.plugins import PolicyContext
 from router.policy import Decision, Policy, Receipt, RouteRequest

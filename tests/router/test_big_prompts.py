@@ -17,8 +17,8 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from index.renderer_registry import ModelSpec, RendererRegistry
-from replica.tiny_tokenizer import build_tokenizer
+from prompt.registry import ModelSpec, RendererRegistry
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.app import create_app
 from router.kv_services import RegistryPrompts
 from router.policy import RouteRequest

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import orjson
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.plugins import PolicyContext
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from tests.router.conftest import StartFakes, StartRouter
