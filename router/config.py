@@ -297,14 +297,12 @@ class ScoringSettings(_Section):
     provisional_ttl_s: float = Field(default=10.0, ge=0)
     """How long a routed request's blocks count as held before events confirm them."""
     provisional_max_keys: int = Field(default=1_000_000, ge=0)
-    """Bound on provisional entries (about 120 bytes each: the key, its expiry, the dict
-    slot and the insert record; 120 MB by default, less as entries expire)."""
+    """Bound on provisional entries (~120 bytes each with expiry and slots: 120 MB)."""
     max_sessions: int = Field(default=100_000, ge=0)
     """Sessions remembered (stickiness, think time, prefix breaks)."""
     session_token_bytes: int = Field(default=64 << 20, ge=0)
-    """Bytes of session state: each session's previous prompt (4 bytes per token, for
-    prefix-break detection), its message digests and 512 bytes for the entry; the
-    least recently seen sessions go first."""
+    """Bytes of session state: each session's last prompt (4 per token, for prefix-break
+    detection), its message digests and 512 for the entry (LRU eviction)."""
     detect_prefix_breaks: bool = True
     """Compare each session's new prompt with its previous one (explicit session keys)."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)
