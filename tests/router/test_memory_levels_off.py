@@ -11,10 +11,13 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 _ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_rss_levels_off_at_the_configured_budget() -> None:
     env = {**os.environ, "PYTHONPATH": str(_ROOT)}
     out = subprocess.run([sys.executable, "-m", "tests.router.rss_stream", "2000"],
