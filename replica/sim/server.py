@@ -46,9 +46,12 @@ log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.32.0"
 _SALT_FORBIDDEN = set("@/\\\x00")
+_MAX_TOKEN_ID = 2**32 - 1
+"""No vocabulary reaches past the ids block hashes pack as u32."""
 
 
 @dataclass(frozen=True, slots=True)
+
 class SimSettings:
     """Everything ``kvroute sim`` takes on its command line."""
 
@@ -351,6 +354,12 @@ class SimServer:
             raise _HttpError(400, str(exc), "BadRequestError", exc.param) from exc
         if not ids:
             raise _HttpError(400, "The prompt must not be empty", "BadRequestError", "prompt")
+        low, high = min(ids), max(ids)
+        if high > _MAX_TOKEN_ID or low < 0:
+            # vLLM's refusal of ids past its vocabulary; hashing them would kill the engine
+            bad = high if high > _MAX_TOKEN_ID else low
+            raise _HttpError(400, f"Token id {bad} is out of vocabulary", "BadRequestError",
+                             "prompt")
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise _HttpError(
