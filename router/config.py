@@ -247,7 +247,7 @@ class RenderWorkerSettings(_Section):
 
     enabled: bool = True
     """Render prompts longer than ``offload_chars`` in a worker process (off: on the
-    event loop, which stalls every other request while a long prompt is tokenised)."""
+    event loop, stalling every other request meanwhile)."""
     offload_chars: int = Field(default=32768, ge=0)
     """Characters of prompt text above which rendering leaves the event loop (about
     10k tokens: some 10-30 ms of tokenising, depending on the tokenizer)."""
@@ -258,11 +258,9 @@ class RenderWorkerSettings(_Section):
 
 
 class PromptMemorySettings(_Section):
-    """Bounds of the per-prompt memos of each model rendered locally (they hold what the
-    next turn of a conversation reuses; a miss costs only recomputation).  Each bound is
-    in the memo's own unit, with its measured size in bytes; the render worker process
-    (``render_worker``) has memos of the same bounds.  The defaults add up to about
-    200 MB per model."""
+    """Bounds of each locally rendered model's per-prompt memos (what a conversation's next
+    turn reuses), in each memo's unit with its size in bytes: ~200 MB per model by
+    default, and as much again in the render worker process."""
 
     piece_cache_tokens: int = Field(default=2_000_000, ge=0)
     """Tokenised text pieces, in token ids (a piece's ids, plus one per 4 characters of
@@ -270,8 +268,7 @@ class PromptMemorySettings(_Section):
     word_cache_words: int = Field(default=200_000, ge=0)
     """Tokenised words (and 8 characters per word): about 175 bytes each, 35 MB."""
     turn_memo_bytes: int = Field(default=64_000_000, ge=0)
-    """The last turn of each conversation (its texts and messages, counted in
-    characters; about twice that in bytes): 64 MB counted."""
+    """Each conversation's last turn, counted in characters (about twice in bytes)."""
     key_memo_units: int = Field(default=200_000, ge=1)
     """Block-key chain states, in units of about 200 bytes (a state, or five keys):
     40 MB (shared by the models)."""
@@ -342,14 +339,12 @@ class ScoringSettings(_Section):
     provisional_ttl_s: float = Field(default=10.0, ge=0)
     """How long a routed request's blocks count as held before events confirm them."""
     provisional_max_keys: int = Field(default=1_000_000, ge=0)
-    """Bound on provisional entries (about 120 bytes each: the key, its expiry, the dict
-    slot and the insert record; 120 MB by default, less as entries expire)."""
+    """Bound on provisional entries (~120 bytes each with expiry and slots: 120 MB)."""
     max_sessions: int = Field(default=100_000, ge=0)
     """Sessions remembered (stickiness, think time, prefix breaks)."""
     session_token_bytes: int = Field(default=64 << 20, ge=0)
-    """Bytes of session state: each session's previous prompt (4 bytes per token, for
-    prefix-break detection), its message digests and 512 bytes for the entry; the
-    least recently seen sessions go first."""
+    """Bytes of session state: each session's last prompt (4 per token, for prefix-break
+    detection), its message digests and 512 for the entry (LRU eviction)."""
     detect_prefix_breaks: bool = True
     """Compare each session's new prompt with its previous one (explicit session keys)."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)

@@ -39,6 +39,7 @@ class SessionPolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ring = ring if ring is not None else AffinityRing()
+        # No tokens kept: the bytes bound only counts the entries (512 bytes each).
         self.sessions = sessions if sessions is not None else SessionTable()
         self._metrics = metrics
         self._clock = clock

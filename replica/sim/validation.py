@@ -17,6 +17,8 @@ from replica.sim.state import HttpError, SimState
 __all__ = ["generation_length", "parse_body", "prompt_ids"]
 
 _SALT_FORBIDDEN = set("@/\\\x00")
+_MAX_TOKEN_ID = 2**32 - 1
+"""No vocabulary reaches past the ids block hashes pack as u32."""
 
 
 async def parse_body(state: SimState, request: web.Request) -> dict[str, Any]:
@@ -62,6 +64,12 @@ def prompt_ids(state: SimState, body: Mapping[str, Any], chat: bool) -> list[int
         raise HttpError(400, str(exc), "BadRequestError", exc.param) from exc
     if not ids:
         raise HttpError(400, "The prompt must not be empty", "BadRequestError", "prompt")
+    low, high = min(ids), max(ids)
+    if high > _MAX_TOKEN_ID or low < 0:
+        # vLLM's refusal of ids past its vocabulary; hashing them would kill the engine
+        bad = high if high > _MAX_TOKEN_ID else low
+        raise HttpError(400, f"Token id {bad} is out of vocabulary", "BadRequestError",
+                        "prompt")
     limit = state.engine.max_model_len
     if len(ids) >= limit:
         raise HttpError(
