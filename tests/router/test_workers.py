@@ -147,10 +147,13 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
         # whichever worker routes a turn, it predicts what the replica then reports
         assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later), [
             [(t.replica, t.predicted, t.cached) for t in c.turns] for c in convs]
-        stayed = [c.turns[i].replica == c.turns[i - 1].replica for c in convs
-                  for i in range(1, 5)]
-        assert sum(stayed) >= 0.9 * len(stayed), [
+        # a later turn leaves its replica only as a deliberate load decision (the worker
+        # that routes it knows where its cache is, whichever worker placed the turn before)
+        moved = [c.turns[i] for c in convs for i in range(1, 5)
+                 if c.turns[i].replica != c.turns[i - 1].replica]
+        assert all(t.reason == "kv_load" for t in moved), [
             [(t.replica, t.reason) for t in c.turns] for c in convs]
+        assert len(moved) <= len(later) // 2
 
         kids = children(proc.pid)
         proc.send_signal(signal.SIGTERM)
