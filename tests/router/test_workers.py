@@ -197,3 +197,22 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+async def test_a_worker_that_cannot_start_stops_the_supervisor(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    import socket
+
+    fake = await stack.enter_async_context(FakeReplica("r0"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    stack.callback(taken.close)
+    admin_port = taken.getsockname()[1]  # worker 0's admin port is someone else's
+    config = {"replicas": [{"url": fake.url, "id": "r0"}], "policy": "round_robin",
+              "admin": {"enabled": True, "port": admin_port}}
+    with serve_workers(config, tmp_path, free_port()) as proc:
+        assert await wait_exit(proc, 90) == 1
+        assert proc.stdout is not None
+        assert b"exited 3 times" in proc.stdout.read()
