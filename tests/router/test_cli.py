@@ -40,7 +40,7 @@ def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) ->
     assert info.value.code == 0
     out = capsys.readouterr().out
     for option in ("--host", "--port", "--replica", "--config", "--policy", "--log-level",
-                   "KVROUTE_"):
+                   "--workers", "KVROUTE_"):
         assert option in out
     assert out.count("URL") >= 2
 

@@ -141,6 +141,9 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
                 await asyncio.sleep(0.1)
 
         await asyncio.gather(*(talk(c) for c in convs))
+        for i, admin in enumerate(admins):  # each worker's admin listener says which it is
+            async with http.get(admin + "/admin/replicas") as resp:
+                assert (await resp.json())["worker"] == i
         served = [await requests_served(http, a) for a in admins]
         assert all(n > 0 for n in served) and sum(served) == 30, served
         later = [c.turns[i] for c in convs for i in range(1, 5)]
