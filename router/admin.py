@@ -61,9 +61,11 @@ class ReplicaOut(BaseModel):
 
 
 class ReplicaList(BaseModel):
-    """Every member replica."""
+    """Every member replica, as the answering router process sees it."""
 
     replicas: list[ReplicaOut]
+    worker: int = Field(description="The answering process (``kvroute serve --workers N``: "
+                        "0 to N-1; each has its own view).")
 
 
 class Removal(BaseModel):
@@ -103,8 +105,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def build_admin_app(state: Mapping[str, Any]) -> FastAPI:
-    """The admin app over the main app's lifespan ``state`` (``router.app.State``)."""
+def build_admin_app(state: Mapping[str, Any], *, worker: int = 0) -> FastAPI:
+    """The admin app over the main app's lifespan ``state`` (``router.app.State``);
+    ``worker`` is the process's index under ``--workers``."""
     settings = state["settings"]
     key_hash: str | None = settings.admin.key_sha256
     bearer = HTTPBearer(auto_error=False, description="The admin key (admin.key_sha256)")
@@ -151,7 +154,7 @@ def build_admin_app(state: Mapping[str, Any]) -> FastAPI:
     @app.get("/admin/replicas", tags=["replicas"])
     async def list_replicas() -> ReplicaList:
         """Every member replica and its state."""
-        return ReplicaList(replicas=[out(r) for r in replicas.ids])
+        return ReplicaList(replicas=[out(r) for r in replicas.ids], worker=worker)
 
     @app.post("/admin/replicas", tags=["replicas"], status_code=201,
               responses={200: {"model": ReplicaOut, "description": "Already a member."},

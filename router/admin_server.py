@@ -64,9 +64,9 @@ async def serve_admin(state: Mapping[str, Any], *, worker: int = 0) -> AsyncIter
     port = admin.port + worker if admin.port else 0
     sock = bind_socket(admin.host, port)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(_WithState(build_admin_app(state), state), http="httptools",
-                            lifespan="off", log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=2, server_header=False)
+    app = _WithState(build_admin_app(state, worker=worker), state)
+    config = uvicorn.Config(app, http="httptools", lifespan="off", log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=2, server_header=False)
     server = _QuietServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]),
                                                   name="admin-server")

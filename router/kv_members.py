@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -52,11 +53,22 @@ class MemberIngestion:
         self._observer = observer
         self._ctx = zmq.asyncio.Context()
         self._runs: dict[ReplicaId, tuple[KVEventIngestion, asyncio.Task[Any]]] = {}
+        self._leaving: dict[ReplicaId, asyncio.Task[None]] = {}
         self.closed = False
 
     def add(self, spec: SourceSpec) -> None:
-        """Start ingesting ``spec.replica`` (no-op if it is already ingested)."""
+        """Start ingesting ``spec.replica`` (no-op if it is already ingested; after its
+        removal has finished if it is being removed)."""
         if self.closed or spec.replica in self._runs:
+            return
+        leaving = self._leaving.get(spec.replica)
+        if leaving is not None:  # back before its entries were cleared: clear, then add
+
+            async def after() -> None:
+                await asyncio.gather(leaving, return_exceptions=True)
+                self.add(spec)
+
+            self._tasks.spawn(after(), name=f"kv-rejoin:{spec.replica}")
             return
         ing = KVEventIngestion(self._index, [spec], http=self._http, lease=self._lease,
                                observer=self._observer, context=self._ctx)  # fmt: skip
@@ -66,9 +78,25 @@ class MemberIngestion:
     def __contains__(self, replica: object) -> bool:
         return replica in self._runs
 
-    async def remove(self, replica: ReplicaId) -> None:
-        """Stop ingesting ``replica`` and clear its entries (every rank) from the index."""
+    def remove(self, replica: ReplicaId, *, then: Callable[[], object] | None = None
+               ) -> asyncio.Task[None]:  # fmt: skip
+        """Stop ingesting ``replica`` now, then (in the returned owned task) clear its
+        entries (every rank) from the index and call ``then``."""
         run = self._runs.pop(replica, None)
+        task: asyncio.Task[None] = self._tasks.spawn(self._finish(replica, run, then),
+                                                     name=f"kv-leave:{replica}")
+        self._leaving[replica] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._leaving.get(replica) is t:
+                del self._leaving[replica]
+
+        task.add_done_callback(done)
+        return task
+
+    async def _finish(self, replica: ReplicaId,
+                      run: tuple[KVEventIngestion, asyncio.Task[Any]] | None,
+                      then: Callable[[], object] | None) -> None:  # fmt: skip
         ids = {replica}
         if run is not None:
             ing, task = run
@@ -82,6 +110,8 @@ class MemberIngestion:
                 # A shared index resynchronises the replica if it ever comes back (its
                 # new ingester clears on start); nothing reads these entries meanwhile.
                 _log.warning("clearing the entries of %s failed: %s", rid, exc)
+        if then is not None:
+            then()
 
     def statuses(self) -> dict[ReplicaId, SourceStatus]:
         """Every source's snapshot, over all runs."""

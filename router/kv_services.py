@@ -250,12 +250,7 @@ def _follow_membership(ctx: PolicyContext, ingestion: MemberIngestion,
             if spec is not None:
                 ingestion.add(spec)
             return
-
-        async def leave() -> None:
-            await ingestion.remove(replica)
-            forget_replica([index_metrics], replica)
-
-        ctx.tasks.spawn(leave(), name=f"kv-leave:{replica}")
+        ingestion.remove(replica, then=lambda: forget_replica([index_metrics], replica))
 
     ctx.replicas.on_membership(on_change)
 

@@ -31,7 +31,9 @@ What the workers share, and how:
 Signals: SIGTERM or SIGINT make every worker shut down gracefully (in-flight requests
 get ``timeouts.shutdown_grace_s``), then the supervisor exits 0; a worker still alive
 after that (plus a margin) is killed.  SIGHUP is forwarded.  A worker that dies on its
-own is restarted (at most once a second).
+own is restarted (at most once a second); one that dies within 10 s of starting three
+times in a row (it cannot start: a Redis namespace of another layout, a port taken by
+another program) stops them all, and the supervisor exits 1.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ __all__ = ["reuseport_socket", "run_workers"]
 
 _log = logging.getLogger(__name__)
 _RESTART_EVERY_S = 1.0
+_EARLY_EXIT_S = 10.0
+_EARLY_EXITS_TO_GIVE_UP = 3
 _POLL_S = 0.2
 
 
@@ -100,7 +104,9 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
     ctx = multiprocessing.get_context("spawn")
     procs: list[BaseProcess | None] = [None] * workers
     started: list[float] = [0.0] * workers
+    early_exits = [0] * workers
     stopping = False
+    failed = False
 
     def start(i: int) -> None:
         p = ctx.Process(target=_worker, args=(data, i), name=f"kvroute-worker-{i}")
@@ -126,8 +132,15 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
             for i, p in enumerate(procs):
                 if stopping or p is None or p.is_alive():
                     continue
+                lived = time.monotonic() - started[i]
+                early_exits[i] = early_exits[i] + 1 if lived < _EARLY_EXIT_S else 0
+                if early_exits[i] >= _EARLY_EXITS_TO_GIVE_UP:
+                    _log.error("worker %d exited %d times within %.0f s of starting (code "
+                               "%s); stopping", i, early_exits[i], _EARLY_EXIT_S, p.exitcode)
+                    stopping = failed = True
+                    break
                 _log.error("worker %d exited (code %s); restarting it", i, p.exitcode)
-                if time.monotonic() - started[i] < _RESTART_EVERY_S:
+                if lived < _RESTART_EVERY_S:
                     time.sleep(_RESTART_EVERY_S)
                 start(i)
         _signal_all(procs, signal.SIGTERM)
@@ -142,7 +155,7 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
                 p.kill()
                 p.join()
                 clean = False
-        return 0 if clean else 1
+        return 0 if clean and not failed else 1
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

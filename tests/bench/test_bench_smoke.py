@@ -65,3 +65,15 @@ def test_sim_fleet_bench(tmp_path: Path) -> None:
     r = _run("bench.sim_fleet_bench", "--replicas", "2", "--seconds", "1",
              "--capacity-requests", "50", "--http-seconds", "1", "--out", str(out), out=out)
     assert {"capacity", "core_realtime", "http"} <= set(r)
+
+
+def test_kv_overhead(tmp_path: Path, llama3_dir: Path) -> None:
+    out = tmp_path / "kv.json"
+    r = _run("bench.kv_overhead", "--replicas", "2", "--phase-s", "0.2", "--rounds", "1",
+             "--tokenizer", str(llama3_dir), "--out", str(out), out=out)
+    assert set(r["summary"]) == {"round_robin", "session", "kv"}
+    for row in r["summary"].values():
+        assert row["rps_c32"] > 0 and row["cpu_us_per_request_c32"] > 0
+    # the index was populated by the replicas' events: kv routed on hits, nothing else
+    kv = {k: v for k, v in r["decisions"].items() if k.startswith("kv/")}
+    assert set(kv) == {"kv/kv_hit"} and kv["kv/kv_hit"] > 0

@@ -41,7 +41,7 @@ def test_serve_help_explains_every_option(capsys: pytest.CaptureFixture[str]) ->
     assert info.value.code == 0
     out = capsys.readouterr().out
     for option in ("--host", "--port", "--replica", "--config", "--policy", "--log-level",
-                   "--max-body-bytes", "max_body_bytes", "KVROUTE_"):
+                   "--max-body-bytes", "max_body_bytes", "--workers", "KVROUTE_"):
         assert option in out
     assert out.count("URL") >= 2
 
