@@ -44,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.overhead_upstreams import ReplicaProtocol, chat_body
 from bench.proxy_overhead import (
     PhaseResult,
     _Conn,
@@ -51,9 +52,7 @@ from bench.proxy_overhead import (
     _free_port,
     _pct,
     _pin,
-    _ReplicaProtocol,
     _wait_http,
-    chat_body,
 )
 
 MODEL = "bench-model"
@@ -118,7 +117,7 @@ def _serve_kv_replicas(ports: list[int], event_ports: list[int], tokenizer: str)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(_ReplicaProtocol, "127.0.0.1", p, backlog=1024)
+        servers = [await loop.create_server(ReplicaProtocol, "127.0.0.1", p, backlog=1024)
                    for p in ports]
         tasks = [asyncio.create_task(publish(i)) for i in range(len(ports))]
         stop = asyncio.Event()
