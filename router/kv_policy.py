@@ -136,7 +136,8 @@ class KvTicket:
     block_size: int | None
     """The model's block size, when rendered."""
     calibration_cached_tokens: int | None
-    """The prediction the receipt calibration learns from."""
+    """The prediction the receipt calibration learns from: the index's own, ``None``
+    when provisional entries extended the chosen replica's hit."""
 
     def released_blocks(self, receipt: Receipt) -> int | None:
         """The blocks the finished request gave back to the pool (prompt and output),
@@ -238,8 +239,7 @@ class KvPolicy:
         if predicted is None or not receipt.ok or receipt.replica != decision.replica:
             return
         learn = ticket.calibration_cached_tokens if ticket is not None else None
-        self.tracker.receipt(request, predicted, predicted if learn is None else learn,
-                             receipt)
+        self.tracker.receipt(request, predicted, learn, receipt)
 
     # ------------------------------------------------------------------ pipeline
     async def decide(

@@ -160,15 +160,21 @@ class SessionTracker:
 
     # ------------------------------------------------------------------ receipts
     def receipt(
-        self, request: RouteRequest, predicted: int, index_predicted: int, receipt: Receipt
+        self,
+        request: RouteRequest,
+        predicted: int,
+        index_predicted: int | None,
+        receipt: Receipt,
     ) -> None:
         """Check the served request's report against ``predicted``; calibrate the
-        replica's trust with ``index_predicted``."""
+        replica's trust with ``index_predicted`` (the index's own prediction: ``None``
+        when provisional entries extended it, whose shortfall in a burst is expected)."""
         check = check_receipt(
             receipt.replica, predicted, receipt.cached_tokens, receipt.prompt_tokens,
             large_abs_tokens=self._large_abs, large_rel=self._large_rel,
         )
-        self._calibration.observe(receipt.replica, index_predicted, receipt.cached_tokens)
+        if index_predicted is not None:
+            self._calibration.observe(receipt.replica, index_predicted, receipt.cached_tokens)
         m = self._metrics
         if m is None:
             return
