@@ -136,7 +136,8 @@ class KvTicket:
     block_size: int | None
     """The model's block size, when rendered."""
     calibration_cached_tokens: int | None
-    """The prediction the receipt calibration learns from."""
+    """The prediction the receipt calibration learns from: the index's own, ``None``
+    when provisional entries extended the chosen replica's hit."""
 
     def released_blocks(self, receipt: Receipt) -> int | None:
         """The blocks the finished request gave back to the pool (prompt and output),
@@ -238,10 +239,11 @@ class KvPolicy:
         predicted = decision.predicted_for(receipt.replica)
         if predicted is None or not receipt.ok:
             return
-        learn: int | None = None
-        if receipt.replica == decision.replica:  # calibrate only the index's own figure
-            index_hit = ticket.calibration_cached_tokens if ticket is not None else None
-            learn = predicted if index_hit is None else index_hit
+        # Calibration learns only from the first choice's own index prediction (``None``
+        # when provisional entries extended it, or after a failover).
+        learn = None
+        if receipt.replica == decision.replica and ticket is not None:
+            learn = ticket.calibration_cached_tokens
         self.tracker.receipt(request, predicted, learn, receipt)
 
     # ------------------------------------------------------------------ pipeline

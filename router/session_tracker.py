@@ -160,12 +160,16 @@ class SessionTracker:
 
     # ------------------------------------------------------------------ receipts
     def receipt(
-        self, request: RouteRequest, predicted: int, index_predicted: int | None,
+        self,
+        request: RouteRequest,
+        predicted: int,
+        index_predicted: int | None,
         receipt: Receipt,
     ) -> None:
         """Check the served request's report against ``predicted``; calibrate the
-        replica's trust with ``index_predicted`` (``None``: not this replica's own
-        prediction, e.g. after a failover)."""
+        replica's trust with ``index_predicted`` (the index's own prediction: ``None``
+        when provisional entries extended it, whose shortfall in a burst is expected, or
+        when another replica than the first choice served)."""
         check = check_receipt(
             receipt.replica, predicted, receipt.cached_tokens, receipt.prompt_tokens,
             large_abs_tokens=self._large_abs, large_rel=self._large_rel,

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from index.memory import InMemoryIndex
+from kvkeys.keys import block_keys
 from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
+from prompt.keyer import Prompt
 from router.affinity import AffinityKey
 from router.horizon import HorizonEstimator, PoolSample
 from router.kv_choice import ChoiceRules, Fallback, choose
-from router.kv_policy import KvTicket
+from router.kv_policy import KvPolicy, KvTicket
 from router.load import LoadTracker
-from router.policy import Receipt
+from router.policy import Receipt, RouteRequest
 from router.receipts import ReceiptCalibration
 from router.replica_view import ReplicaView, SessionTail
 from router.scoring import CostModel, ReplicaScore, ScoringWeights
@@ -172,3 +175,27 @@ def test_ticket_released_blocks() -> None:
                                           completion_tokens=1)) == 21
     unrendered = KvTicket(None, None, None, None)
     assert unrendered.released_blocks(Receipt(A, True, prompt_tokens=320)) is None
+
+
+class _FixedPrompt:
+    """Every request renders to the same 160-token prompt (block size 16)."""
+
+    def __init__(self) -> None:
+        ids = list(range(160))
+        self.value = Prompt(ids, block_keys(ids, 16, model="m"), 16, "m")
+
+    async def prompt(self, request: RouteRequest, replica_url: str | None) -> Prompt:
+        return self.value
+
+
+async def test_a_prediction_extended_by_provisional_entries_does_not_calibrate() -> None:
+    policy = KvPolicy(prompts=_FixedPrompt(), index=InMemoryIndex(), load=LoadTracker([A, B]),
+                      replica_url=lambda r: None, clock=lambda: 100.0, wall=lambda: 100.0)
+    first = RouteRequest("q1", "chat", "/v1/chat/completions", "m", {"messages": []}, "s")
+    burst = RouteRequest("q2", "chat", "/v1/chat/completions", "m", {"messages": []}, "s")
+    d1 = await policy.route(first, [A, B])
+    d2 = await policy.route(burst, [A, B])  # the index has nothing yet: provisional only
+    assert d2.replica == d1.replica and d2.predicted_cached_tokens == 144
+    assert d2.ticket is not None and d2.ticket.calibration_cached_tokens is None
+    policy.record(burst, d2, Receipt(d2.replica, True, prompt_tokens=160, cached_tokens=0))
+    assert policy.calibration.trust(d2.replica) == 1.0
