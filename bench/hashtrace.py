@@ -38,7 +38,7 @@ Each imported request is a ``ScaledRequest``; ``to_trace`` renders them as chat 
 the HTTP runner (one user message of words, one per token of a tokenizer whose common
 words are single tokens: the chat template adds a constant header, so block boundaries
 shift by the same offset for every request), and ``token_ids`` gives the exact token ids
-for replays that skip the tokenizer (``replay``).
+for replays that skip the tokenizer (``kvroute replay``).
 """
 
 from __future__ import annotations

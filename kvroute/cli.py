@@ -2,8 +2,8 @@
 
 Each layer registers its own subcommands, so this module is the only place that knows
 them all (``router``: serve, indexer; ``replica``: sim, replica; ``bench``: demo, bench,
-check-prompts, probe-horizon).  Handlers import their heavy dependencies lazily so that
-``kvroute --help`` stays fast.
+check-prompts, probe-horizon; ``kvroute.replay``: replay).  Handlers import their heavy
+dependencies lazily so that ``kvroute --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import bench.cli
 import replica.cli
 import router.cli
 from kvroute import __version__
+from kvroute.replay import cli as replay_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.cli.register(sub)
     replica.cli.register(sub)
     bench.cli.register(sub)
+    replay_cli.register(sub)
     return parser
 
 
