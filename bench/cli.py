@@ -69,8 +69,8 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
         help="show what KV-aware routing saves, on a simulated fleet (no GPU needed)",
         description="Start a simulated fleet and kvroute, drive a multi-turn workload with "
         "think time through each routing policy in turn, and print prefill computed, "
-        "cached share, TTFT p50/p90/p99, same-replica share and the oracle bound; "
-        "writes summary.json, results.jsonl and PNG plots to --out.",
+        "cached share (and its share of the cache bounds), TTFT p50/p90/p99, same-replica "
+        "share; writes summary.json, results.jsonl and PNG plots to --out.",
     )
     p.add_argument("--out", type=Path, default=Path("kvroute-demo-out"),
                    help="output folder (default ./kvroute-demo-out)")
@@ -155,7 +155,7 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
     c = bsub.add_parser(
         "compare",
-        help="compare policies (and peer routers) on a simulated fleet, with the oracle",
+        help="compare policies (and peer routers) on a simulated fleet, with the cache bounds",
         description="Each target gets the same trace on the same simulated fleet with "
         "emptied caches.  Peer routers (--peer) run only inside a loopback-only network "
         "namespace (this command re-executes itself inside one; needs root and `ip`).",

@@ -95,13 +95,13 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
         bounds = None
         for policy in (p for p in args.policies.split(",") if p):
             served = await replay(policy, requests, cfg)
-            if bounds is None:
-                bounds = bounds_of(served, requests, cfg)
-            runs.append(figures(policy, served, bounds))
+            # Each run against the bounds of the order its own requests arrived in (later
+            # turns wait for earlier replies, so the order depends on the policy).
+            own = bounds_of(served, requests, cfg)
+            runs.append(figures(policy, served, own))
+            points.append({"num_blocks": nb, **runs[-1].to_json(), "bounds": own.shares()})
+            bounds = bounds or own
         tables.append(format_table(str(nb), runs, bounds))
-        points.extend({"num_blocks": nb, **r.to_json()} for r in runs)
-        if bounds is not None:
-            points.append({"num_blocks": nb, "bounds": bounds.shares()})
     return "\n\n".join(tables), points
 
 

@@ -93,7 +93,8 @@ def _ms(x: float | None) -> str:
 
 
 def format_table(label: str, runs: Sequence[RunFigures], bounds: Bounds | None) -> str:
-    """A Markdown table, one row per policy, then the bounds."""
+    """A Markdown table, one row per policy, then the bounds (``bounds``: those of the
+    first run's arrival order; each run's shares use its own)."""
     head = ["pool", "policy", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "TTFT p99",
             "moved", "exact"]
     rows = [head, ["---"] * len(head)]
