@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from index.keys import block_keys
+from kvkeys.keys import block_keys
 
 __all__ = ["Bounds", "CacheRequest", "cache_bounds", "optimal_hits"]
 

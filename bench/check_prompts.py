@@ -488,8 +488,8 @@ class LocalChatTokenizer:
     and tokenised exactly as vLLM does (chat template, special-token rule)."""
 
     def __init__(self, directory: Path) -> None:
-        from index.render import ModelRenderer
-        from index.tokenizer import load_tokenizer_files
+        from prompt.render import ModelRenderer
+        from prompt.tokenizer import load_tokenizer_files
 
         self._files = load_tokenizer_files(directory)
         self._renderer = ModelRenderer(self._files)

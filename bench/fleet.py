@@ -302,7 +302,7 @@ async def _terminate(children: Sequence[_Child]) -> None:
 
 
 _BUILD_TOKENIZER = (
-    "import sys; from replica.tiny_tokenizer import build_tokenizer; "
+    "import sys; from replica.vllm.tiny_tokenizer import build_tokenizer; "
     "print(build_tokenizer(sys.argv[1], template=sys.argv[2]))"
 )
 
@@ -325,7 +325,7 @@ async def build_tokenizer_dir(out: Path, template: str = "llama3") -> Path:
     """The tiny test model directory (tokenizer + chat template) at ``out``, built once.
 
     Through ``kvroute replica tiny-model``; where that subcommand is not available, the
-    tokenizer alone is built by ``replica.tiny_tokenizer`` in a child interpreter (bench
+    tokenizer alone is built by ``replica.vllm.tiny_tokenizer`` in a child interpreter (bench
     never imports ``replica``)."""
     if (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists():
         return out

@@ -48,13 +48,13 @@ from typing import Any
 
 import redis
 
+from index.event_applier import EventIngestor
 from index.events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from index.ingest import EventIngestor
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
 from index.store import AddOp, KVIndex
-from index.types import EngineKey, Medium, ReplicaId, RequestKey
+from kvkeys.keys import block_keys
+from kvkeys.types import EngineKey, Medium, ReplicaId, RequestKey
 
 BS = 16
 BLOCKS_PER_EVENT = 16

@@ -5,7 +5,7 @@
 The conversation has the shape of the main example: a 1,500-token system prompt, then
 turns of a 150-token user message and a 350-token assistant reply (token counts under
 the tokenizer used; the default is the tiny Llama-3-style tokenizer, built with
-``python -m replica.tiny_tokenizer`` in a temporary directory).  The prompt of turn N
+``python -m replica.vllm.tiny_tokenizer`` in a temporary directory).  The prompt of turn N
 holds N user messages and N-1 replies: 10 turns are 1,500 + 10*150 + 9*350 = 6,150
 content tokens (plus the template's own tokens).
 
@@ -58,8 +58,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from index.prompt import Prompt
-from index.renderer_registry import ModelSpec, RendererRegistry, Target
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry, Target
 
 SYSTEM_TOKENS = 1500
 USER_TOKENS = 150
@@ -77,7 +77,7 @@ def build_default_tokenizer(out: Path) -> Path:
     """The tiny Llama-3-style tokenizer, built by the replica package's CLI (bench may
     not import ``replica``)."""
     subprocess.run(
-        [sys.executable, "-m", "replica.tiny_tokenizer", str(out), "--template", "llama3"],
+        [sys.executable, "-m", "replica.vllm.tiny_tokenizer", str(out), "--template", "llama3"],
         check=True,
         stdout=subprocess.DEVNULL,
     )

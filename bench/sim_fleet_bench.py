@@ -2,7 +2,7 @@
 
 ``python -m bench.sim_fleet_bench [--replicas 16] [--procs 2] [--rate 500] ...``
 
-Three measurements, each in child processes (``python -m replica.sim_fleet ...``; bench
+Three measurements, each in child processes (``python -m replica.sim.fleet ...``; bench
 never imports ``replica``), with bounded run time:
 
 1. **capacity**: one engine core (pool + scheduler, no HTTP) in virtual time, as fast as
@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 
 TARGET_PER_REPLICA = 500.0
-_FLEET = [sys.executable, "-m", "replica.sim_fleet"]
+_FLEET = [sys.executable, "-m", "replica.sim.fleet"]
 
 
 async def _run_json(argv: list[str], timeout: float) -> dict[str, Any]:

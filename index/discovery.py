@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from index.subscriber import EventSource
-from index.types import ReplicaId, replica_id_for_rank
+from kvkeys.types import ReplicaId, replica_id_for_rank
 
 __all__ = [
     "DiscoveredSource",

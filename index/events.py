@@ -33,7 +33,7 @@ Decoding contract (``decode_batch``):
   test holds the two paths equal).
 
 What this module deliberately does not do: decide what an event means for the index
-(``index.ingest``), or move bytes (``index.subscriber``, ``replica.kv_publisher``).
+(``index.event_applier``), or move bytes (``index.subscriber``, ``replica.sim.kv_publisher``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-from index.types import EngineKey, Medium
+from kvkeys.types import EngineKey, Medium
 
 __all__ = [
     "AllBlocksCleared",

@@ -45,8 +45,8 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from index._tasks import reraise_if_cancelling
-from index.backoff import Backoff
+from aio.backoff import Backoff
+from aio.cancel import reraise_if_cancelling
 from index.discovery import DiscoveryError, discover_model, discover_sources
 from index.lease import RedisLease, run_with_lease
 from index.status import SourceStatus, status_from_json, status_to_json
@@ -58,7 +58,7 @@ from index.subscriber import (
     IngestObserver,
     SubscriberSettings,
 )
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["BindSpec", "KVEventIngestion", "LeaseSettings", "SourceSpec"]
 

@@ -26,7 +26,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from index._tasks import reraise_if_cancelling
+from aio.cancel import cancel_and_wait, reraise_if_cancelling
 
 __all__ = ["RedisLease", "run_with_lease"]
 
@@ -135,13 +135,8 @@ class RedisLease:
 
 async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
     """Cancel ``task`` and wait for it, without swallowing a cancellation of our own."""
-    task.cancel()
     try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
+        await cancel_and_wait(task)
     except Exception:  # noqa: BLE001 - reported by the caller through task.exception()
         pass
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from itertools import groupby
 
-from index.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
 
 __all__ = ["holder_mask", "scan_masks", "scan_runs"]
 

@@ -35,7 +35,7 @@ from typing import Final
 
 from index.masks import scan_masks
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp
-from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 __all__ = ["InMemoryIndex"]
 

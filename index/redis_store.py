@@ -66,10 +66,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from index._tasks import reraise_if_cancelling
+from aio.cancel import reraise_if_cancelling
 from index.masks import holder_mask, scan_runs
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, IndexOp, IndexUnavailable
-from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 __all__ = ["RedisIndex"]
 

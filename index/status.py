@@ -18,7 +18,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["SourceState", "SourceStatus", "status_from_json", "status_to_json"]
 

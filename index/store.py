@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 
 class IndexUnavailable(Exception):

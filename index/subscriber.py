@@ -28,7 +28,7 @@ the interface notes):
 * If the index cannot be written (``IndexUnavailable``), the source turns ``degraded``,
   later batches are dropped, and once the index answers again the replica is cleared
   and rebuilt from replay: nothing stale survives an outage.
-* Repeated unknown parents (``index.ingest``) trigger the same rebuild, at most once per
+* Repeated unknown parents (``index.event_applier``) trigger the same rebuild, at most once per
   ``resync_min_interval_s``.
 * A source whose transport stays down for ``disconnect_grace_s`` (a dead engine) is
   cleared from the index, counted as a resync (reason ``disconnected``), turns
@@ -61,13 +61,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from index._tasks import reraise_if_cancelling
-from index.backoff import Backoff
+from aio.backoff import Backoff
+from aio.cancel import reraise_if_cancelling
+from index.event_applier import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.events import UndecodableBatch, decode_batch
-from index.ingest import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
 from index.status import SourceState, SourceStatus
 from index.store import IndexUnavailable, KVIndex
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = [
     "BindSubscriber",
@@ -119,7 +119,7 @@ class SubscriberSettings:
     resync_after_unknown_parents: int = 3
     parent_cache_blocks: int = DEFAULT_PARENT_CACHE
     """Engine keys each source's ingestor remembers to resolve parents without asking
-    the index (``index.ingest``); 0 asks the index for every batch's parents."""
+    the index (``index.event_applier``); 0 asks the index for every batch's parents."""
     rcvhwm: int = 100_000
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0

@@ -1,7 +1,7 @@
 """Subcommands of ``kvroute`` that belong to ``replica``.
 
-* ``kvroute sim``: a simulated vLLM V1 replica (``replica.sim_server``).
-* ``kvroute replica vllm ...``: real vLLM, registered by ``replica.vllm_cli`` (see below).
+* ``kvroute sim``: a simulated vLLM V1 replica (``replica.sim.server``).
+* ``kvroute replica vllm ...``: real vLLM, registered by ``replica.vllm.cli`` (see below).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from replica import vllm_cli
+from replica.vllm import cli as vllm_cli
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -32,7 +32,7 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks incl. the null block (default: from the profile)")
-    p.add_argument("--profile", default="default", help="timing profile (replica.profiles)")
+    p.add_argument("--profile", default="default", help="timing profile (replica.sim.profiles)")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second (1 = real time, 0.01 = 100x "
                    "faster, 0 = virtual time, as fast as the CPU allows)")
@@ -71,7 +71,7 @@ def _run_sim(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from replica.sim_main import serve_forever
+    from replica.sim.main import serve_forever
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

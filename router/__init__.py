@@ -11,16 +11,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from index.backoff import Backoff
     from router.app import State, create_app
     from router.config import ConfigError, RouterSettings
     from router.load import LoadTracker, ReplicaLoad
     from router.plugins import PolicyContext, PolicyFactory, PolicyRegistry, Service
     from router.policy import Decision, Policy, Receipt, RouteRequest
-    from router.replicas import ReplicaRegistry, ReplicaState
+    from router.replica_registry import ReplicaRegistry, ReplicaState
 
 __all__ = [
-    "Backoff",
     "ConfigError",
     "Decision",
     "LoadTracker",
@@ -41,14 +39,14 @@ __all__ = [
 
 _WHERE = {
     "State": "router.app", "create_app": "router.app",
-    "Backoff": "index.backoff",
+    
     "ConfigError": "router.config", "RouterSettings": "router.config",
     "LoadTracker": "router.load", "ReplicaLoad": "router.load",
     "PolicyContext": "router.plugins", "PolicyFactory": "router.plugins",
     "PolicyRegistry": "router.plugins", "Service": "router.plugins",
     "Decision": "router.policy", "Policy": "router.policy", "Receipt": "router.policy",
     "RouteRequest": "router.policy",
-    "ReplicaRegistry": "router.replicas", "ReplicaState": "router.replicas",
+    "ReplicaRegistry": "router.replica_registry", "ReplicaState": "router.replica_registry",
 }
 
 

@@ -28,7 +28,7 @@ import orjson
 import xxhash
 from uhashring import HashRing
 
-from index.types import ReplicaId, RequestKey
+from kvkeys.types import ReplicaId, RequestKey
 from router.policy import RouteRequest
 
 __all__ = ["AffinityKey", "AffinityRing", "KeySource", "affinity_key"]

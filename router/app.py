@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aio.task_owner import TaskOwner
 from router.config import ConfigError, RouterSettings
 from router.debug import debug_route
 from router.errors import RouterError, to_response
@@ -54,8 +55,7 @@ from router.plugins import (
 )
 from router.policy import Endpoint
 from router.proxy import Proxy, Receive, Scope, Send
-from router.replicas import ReplicaRegistry
-from router.tasks import TaskOwner
+from router.replica_registry import ReplicaRegistry
 
 __all__ = ["State", "create_app"]
 

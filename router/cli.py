@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from router import indexer
+from router import kv_stack
 
 if TYPE_CHECKING:
     import uvicorn
@@ -38,7 +38,7 @@ _GC_YOUNG = 20_000
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_serve(sub)
-    indexer.register(sub)
+    kv_stack.register(sub)
 
 
 def _register_serve(sub: argparse._SubParsersAction[Any]) -> None:

@@ -22,10 +22,10 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.config import HealthSettings
 from router.metrics import RouterMetrics
-from router.replicas import ReplicaRegistry
+from router.replica_registry import ReplicaRegistry
 
 __all__ = ["HealthProber"]
 

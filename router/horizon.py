@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["HorizonEstimator", "PoolSample", "ReturnOutcome", "classify_return"]
 

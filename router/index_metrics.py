@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from index.ingest import BatchResult
+from index.event_applier import BatchResult
 from index.status import SourceStatus
 from index.store import IndexOp, IndexUnavailable, KVIndex
-from index.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
 if TYPE_CHECKING:
     from index.subscriber import IngestObserver

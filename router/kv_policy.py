@@ -73,10 +73,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from index.prompt import Prompt
 from index.status import SourceStatus
 from index.store import IndexUnavailable, KVIndex
-from index.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
+from prompt.keyer import Prompt
 from router.affinity import AffinityKey, AffinityRing, affinity_key
 from router.horizon import HorizonEstimator, classify_return
 from router.load import LoadTracker

@@ -32,21 +32,21 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from index.ingest import BatchResult
+from index.event_applier import BatchResult
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
-from index.prompt import Prompt
 from index.redis_store import RedisIndex
-from index.remote_render import RemoteRenderer
-from index.render_errors import RenderError
-from index.renderer_registry import ModelSpec, RendererRegistry
 from index.status import SourceStatus
 from index.store import KVIndex
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
+from prompt.errors import RenderError
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry
+from prompt.remote_render import RemoteRenderer
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
-from router.indexer import check_index, instrumented_index
 from router.kv_policy import KvConfig, KvPolicy
+from router.kv_stack import check_index, instrumented_index
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.scoring import CostModel, ScoringWeights

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["LoadTracker", "ReplicaLoad", "Lease"]
 

@@ -39,7 +39,7 @@ from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from router.load import LoadTracker
-    from router.replicas import ReplicaRegistry
+    from router.replica_registry import ReplicaRegistry
 
 __all__ = ["FastCounter", "FastHistogram", "KvMetrics", "Outcome", "RouterMetrics"]
 

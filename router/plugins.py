@@ -47,14 +47,14 @@ from typing import Any
 
 import aiohttp
 
+from aio.task_owner import TaskOwner
 from router.config import RouterSettings
 from router.errors import UnknownPolicy
 from router.load import LoadTracker
+from router.load_policies import LeastLoaded, RandomPolicy, RoundRobin
 from router.metrics import RouterMetrics
-from router.policies import LeastLoaded, RandomPolicy, RoundRobin
 from router.policy import Policy
-from router.replicas import ReplicaRegistry
-from router.tasks import TaskOwner
+from router.replica_registry import ReplicaRegistry
 
 __all__ = [
     "PolicyContext",

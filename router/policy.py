@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 Endpoint = Literal["chat", "completions", "other"]
 

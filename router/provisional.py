@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Sequence
 
-from index.types import PrefixHits, ReplicaHit, ReplicaId, RequestKey
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId, RequestKey
 
 __all__ = ["ProvisionalBlocks"]
 

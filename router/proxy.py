@@ -43,8 +43,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from index.backoff import Backoff
-from index.types import ReplicaId
+from aio.backoff import Backoff
+from kvkeys.types import ReplicaId
 from router.config import RouterSettings
 from router.errors import (
     NoHealthyReplica,
@@ -60,7 +60,7 @@ from router.load import Lease, LoadTracker
 from router.metrics import Outcome, RouterMetrics
 from router.plugins import PolicyRegistry
 from router.policy import Decision, Endpoint, Receipt, RouteRequest
-from router.replicas import ReplicaRegistry
+from router.replica_registry import ReplicaRegistry
 from router.request import ClientDisconnected, parse_body, read_body, scan_headers
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 

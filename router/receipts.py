@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["ReceiptCalibration", "ReceiptCheck", "ReceiptOutcome", "check_receipt"]
 

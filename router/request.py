@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from index.prompt import validate_cache_salt
-from index.render_errors import InvalidCacheSalt
+from prompt.errors import InvalidCacheSalt
+from prompt.keyer import validate_cache_salt
 from router.errors import BadRequest, BodyTooLarge
 from router.policy import Endpoint
 

@@ -83,7 +83,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from index.types import ReplicaHit, ReplicaId
+from kvkeys.types import ReplicaHit, ReplicaId
 
 __all__ = [
     "CostModel",

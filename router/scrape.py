@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 
 __all__ = ["MetricsScraper", "ScrapeSample", "parse_vllm_metrics"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.affinity import AffinityRing, affinity_key
 from router.metrics import KvMetrics
 from router.policy import Decision, Receipt, RouteRequest

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.prefix_breaks import PromptShape
 
 __all__ = ["SessionState", "SessionTable"]

@@ -66,7 +66,7 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
         return from_hash_trace(scaled, scale, 2000, max_tokens_cap=args.max_tokens)
     from bench.trace import load
     from bench.workload import generate, measure_tokens_per_word, preset
-    from replica.tiny_tokenizer import build_tokenizer
+    from replica.vllm.tiny_tokenizer import build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="kvroute-replay-") as tmp:
         tok = build_tokenizer(Path(tmp), template="llama3")

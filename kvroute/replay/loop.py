@@ -32,19 +32,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from index.memory import InMemoryIndex
-from index.prompt import Prompt
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from kvroute.replay.replica import VirtualReplica
 from kvroute.replay.requests import ReplayRequest
-from replica.profiles import get_profile
-from replica.scheduler import SimRequest
+from prompt.keyer import Prompt
+from replica.sim.profiles import get_profile
+from replica.sim.scheduler import SimRequest
 from router.affinity import AffinityRing
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.kv_policy import KvPolicy
 from router.kv_services import kv_config
 from router.load import Lease, LoadTracker
-from router.policies import LeastLoaded, RoundRobin
+from router.load_policies import LeastLoaded, RoundRobin
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration

@@ -1,11 +1,11 @@
 """One simulated replica in a virtual-time replay, and its KV events into the index.
 
-``VirtualReplica`` owns a scheduler and block pool (``replica.scheduler``,
-``replica.block_pool``: the same code the HTTP simulated replica runs) and steps it
+``VirtualReplica`` owns a scheduler and block pool (``replica.sim.scheduler``,
+``replica.sim.block_pool``: the same code the HTTP simulated replica runs) and steps it
 when the replay's event loop says so.  After each step the pool's events take the
-production path into the router's index: vLLM 0.32 structs (``replica.sim_events``),
+production path into the router's index: vLLM 0.32 structs (``replica.sim.event_sink``),
 msgpack encoding and decoding (``index.events``), and the event ingestor
-(``index.ingest``), which resolves engine hashes to request keys through the token ids
+(``index.event_applier``), which resolves engine hashes to request keys through the token ids
 the events carry.  The router learns of a block exactly one engine step after it was
 scheduled, as it would with a zero-latency event stream.
 """
@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from index.event_applier import EventIngestor
 from index.events import KVEventBatch, decode_batch, encode_batch
-from index.ingest import EventIngestor
 from index.memory import InMemoryIndex
 from index.status import SourceStatus
-from index.types import ReplicaId, RequestKey
-from replica.block_pool import BlockPool, make_engine_hasher
-from replica.profiles import Profile
-from replica.scheduler import Scheduler, SimRequest, StepPlan
-from replica.sim_events import to_wire
+from kvkeys.types import ReplicaId, RequestKey
+from replica.sim.block_pool import BlockPool, make_engine_hasher
+from replica.sim.event_sink import to_wire
+from replica.sim.profiles import Profile
+from replica.sim.scheduler import Scheduler, SimRequest, StepPlan
 
 __all__ = ["VirtualReplica"]
 

@@ -7,7 +7,7 @@ arrives at ``at``; turn N+1 arrives ``think_s`` after turn N's last token (the
 Two sources:
 
 * ``from_chat_trace``: a ``bench.trace`` chat trace rendered with a tokenizer directory
-  and its chat template (``index`` renderer, exactly as the simulated replica renders
+  and its chat template (``prompt`` renderer, exactly as the simulated replica renders
   it), the history carrying the trace's fixed replies.
 * ``from_hash_trace``: an imported block-hash trace (``bench.hashtrace``): each hash id
   is ``block_tokens`` deterministic token ids, so blocks fall exactly on the replicas'
@@ -44,7 +44,7 @@ def from_chat_trace(
     max_tokens_cap: int | None = None,
 ) -> list[ReplayRequest]:
     """Render every turn of ``trace`` with the tokenizer's chat template."""
-    from replica.sim_render import TokenizerRenderer
+    from replica.sim.render import TokenizerRenderer
 
     renderer = TokenizerRenderer(tokenizer_dir)
     out: list[ReplayRequest] = []

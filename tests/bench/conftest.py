@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.check_prompts import ChatTokenizer, LocalChatTokenizer
-from replica.tiny_tokenizer import build_tokenizer
+from replica.vllm.tiny_tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.tiny_tokenizer import build_tokenizer
+from replica.vllm.tiny_tokenizer import build_tokenizer
 
 VLLM_DOCUMENTED = {
     # vLLM 0.32 PrometheusStatLogger, exposed names (docs/vllm-interfaces.md section 5).

@@ -6,7 +6,7 @@ One set of replicas serves the whole e2e run (startup dominates on 2 cores):
   ``.ci/install-vllm.sh`` (idempotent: a fraction of a second when ``.venv-vllm`` is
   complete, a full install otherwise) and returns ``.venv-vllm/bin/python``.
 * ``tiny_model_dir`` (session): the tiny random Llama with its Llama-3-style tokenizer
-  (``replica.tiny_model.build_tiny_model``), built once into a temporary directory.
+  (``replica.vllm.tiny_model.build_tiny_model``), built once into a temporary directory.
 * ``vllm_fleet`` (session): ``E2E_REPLICAS`` (2) ``vllm_fleet.VllmReplica`` handles,
   started in parallel and healthy; served model name ``E2E_MODEL``; block size
   ``E2E_BLOCK_SIZE`` (32); ``--num-gpu-blocks-override E2E_NUM_GPU_BLOCKS`` (65: vLLM
@@ -80,7 +80,7 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random Llama (Llama-3-style template), built once per session."""
-    from replica.tiny_model import build_tiny_model
+    from replica.vllm.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama3"), template="llama3")
 

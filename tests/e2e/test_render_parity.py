@@ -10,9 +10,9 @@ vLLM CPU engine on the tiny Llama-3-style model:
    (each turn stores only the blocks the cache did not already hold);
 3. the keys kvroute computes from the prompt (``Prompt.block_keys``) equal the keys it
    computes from those events, both through the router's ingest path
-   (``index.ingest.EventIngestor`` into an ``InMemoryIndex``: parent chain through
+   (``index.event_applier.EventIngestor`` into an ``InMemoryIndex``: parent chain through
    ``parent_block_hash``, salt from ``extra_keys``) and directly with
-   ``index.keys.block_keys``;
+   ``kvkeys.keys.block_keys``;
 4. vLLM's ``cached_tokens`` on every turn equals what kvroute predicts from its index
    (leading blocks held, the last prompt token never served from cache);
 5. a salted conversation shares no engine hash and no kvroute key with the unsalted
@@ -33,13 +33,13 @@ import httpx
 import pytest
 from vllm_fleet import EventTap, VllmReplica
 
+from index.event_applier import EventIngestor
 from index.events import StoredEvent
-from index.ingest import EventIngestor
-from index.keys import block_keys
 from index.memory import InMemoryIndex
-from index.prompt import Prompt
-from index.renderer_registry import ModelSpec, RendererRegistry
-from index.types import EngineKey, ReplicaId, RequestKey
+from kvkeys.keys import block_keys
+from kvkeys.types import EngineKey, ReplicaId, RequestKey
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry
 
 pytestmark = pytest.mark.e2e
 

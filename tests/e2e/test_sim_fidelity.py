@@ -59,9 +59,9 @@ import pytest
 from vllm_fleet import EventTap, VllmReplica, free_port, log_tail
 
 from index.events import ClearedEvent, RemovedEvent, StoredEvent
-from index.prompt import Prompt
-from index.renderer_registry import ModelSpec, RendererRegistry
-from index.types import EngineKey
+from kvkeys.types import EngineKey
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ import pytest
 from vllm_fleet import EventTap, VllmReplica
 
 from index.events import ClearedEvent, StoredEvent
-from index.types import Medium
+from kvkeys.types import Medium
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """Helpers for the end-to-end tests on real vLLM: replica processes and an event tap.
 
 ``VllmReplica`` owns one real vLLM OpenAI server process (the CPU build in
-``.venv-vllm``) started from a ``replica.vllm_launcher.VllmReplicaSpec``: it starts it in
+``.venv-vllm``) started from a ``replica.vllm.launcher.VllmReplicaSpec``: it starts it in
 its own process group with the output appended to a log file, waits for ``/health``,
 and can ``kill()`` it (SIGKILL to the whole group: a crash), ``stop()`` it (SIGTERM, then
 SIGKILL) and ``restart()`` it on the same ports and endpoints.  ``start_replicas`` starts
@@ -38,7 +38,7 @@ import httpx
 import zmq
 
 from index.events import DecodedBatch, decode_batch
-from replica.vllm_launcher import VllmReplicaSpec, dial_endpoint, launch
+from replica.vllm.launcher import VllmReplicaSpec, dial_endpoint, launch
 
 END_SEQ = b"\xff" * 8
 """The replay end marker's sequence frame (``(-1).to_bytes(8, "big", signed=True)``)."""

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
 from index.store import AddByEngineKeyOp, AddOp, ClearOp, EvictOp, KVIndex
-from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
+from kvkeys.keys import block_keys
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 

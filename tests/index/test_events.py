@@ -23,7 +23,7 @@ from index.events import (
     encode_batch,
     normalise_hash,
 )
-from index.types import EngineKey, Medium
+from kvkeys.types import EngineKey, Medium
 
 enc = msgspec.msgpack.encode
 

@@ -24,7 +24,7 @@ from index.events import (
     encode_batch,
     encode_batch_legacy,
 )
-from index.types import EngineKey, Medium
+from kvkeys.types import EngineKey, Medium
 
 GOLDEN = Path(__file__).parent / "golden"
 U = 0x1122334455667788

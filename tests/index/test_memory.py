@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.keys import block_keys
 from index.masks import holder_mask, scan_masks, scan_runs
 from index.memory import InMemoryIndex
-from index.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
+from kvkeys.keys import block_keys
+from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaHit, ReplicaId, RequestKey
 
 
 def chain(n: int) -> list[RequestKey]:

@@ -17,14 +17,14 @@ import zmq.asyncio
 
 from index.events import BlockRemoved, BlockStored
 from index.ingestion import KVEventIngestion, LeaseSettings, SourceSpec
-from index.keys import block_keys
 from index.lease import RedisLease, run_with_lease
 from index.memory import InMemoryIndex
 from index.redis_store import RedisIndex
 from index.store import IndexUnavailable
 from index.subscriber import ConnectSubscriber, EventSource, SubscriberSettings
-from index.types import EngineKey, Medium, ReplicaHit, ReplicaId, RequestKey
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import EngineKey, Medium, ReplicaHit, ReplicaId, RequestKey
+from replica.sim.kv_publisher import KVEventPublisher
 
 A, B = ReplicaId("a"), ReplicaId("b")
 FAST = SubscriberSettings(
@@ -369,7 +369,7 @@ async def test_start_up_refuses_a_namespace_it_cannot_share(
     redis_url: str, redis_namespace: str, sync_redis: redis.Redis
 ) -> None:
     from router.config import ConfigError
-    from router.indexer import check_index
+    from router.kv_stack import check_index
 
     await check_index(InMemoryIndex())  # nothing to check
     sync_redis.hset(f"{redis_namespace}:meta", mapping={"stride": "256", "next_rid": "3"})

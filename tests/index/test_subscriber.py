@@ -12,10 +12,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from index.backoff import Backoff
+from aio.backoff import Backoff
+from index.event_applier import BatchResult
 from index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from index.ingest import BatchResult
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.store import IndexOp, IndexUnavailable
 from index.subscriber import (
@@ -24,8 +23,9 @@ from index.subscriber import (
     SubscriberSettings,
     fetch_replay,
 )
-from index.types import ReplicaId
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import ReplicaId
+from replica.sim.kv_publisher import KVEventPublisher
 
 R = ReplicaId("r1")
 MODEL = "m"

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from index.event_applier import BatchResult
 from index.events import BlockStored
-from index.ingest import BatchResult
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.subscriber import BindSubscriber, ConnectSubscriber, EventSource, SubscriberSettings
-from index.types import ReplicaId
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import ReplicaId
+from replica.sim.kv_publisher import KVEventPublisher
 
 R = ReplicaId("r1")
 MODEL = "m"

@@ -22,11 +22,11 @@ from index.discovery import (
 )
 from index.events import BlockStored
 from index.ingestion import KVEventIngestion, SourceSpec
-from index.keys import block_keys
 from index.memory import InMemoryIndex
 from index.subscriber import BindSubscriber, EventSource, SubscriberSettings
-from index.types import ReplicaId, replica_id_for_rank
-from replica.kv_publisher import KVEventPublisher
+from kvkeys.keys import block_keys
+from kvkeys.types import ReplicaId, replica_id_for_rank
+from replica.sim.kv_publisher import KVEventPublisher
 
 BS = 4
 FAST = SubscriberSettings(idle_poll_s=0.02, replay_timeout_s=0.3, replay_total_s=2.0)

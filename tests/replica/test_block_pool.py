@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from index.keys import block_keys
-from index.types import RequestKey
-from replica.block_pool import (
+from kvkeys.keys import block_keys
+from kvkeys.types import RequestKey
+from replica.sim.block_pool import (
     Block,
     BlockPool,
     Cleared,
@@ -14,7 +14,7 @@ from replica.block_pool import (
     Stored,
     make_engine_hasher,
 )
-from replica.offload import HostTier
+from replica.sim.offload import HostTier
 
 BS = 4
 

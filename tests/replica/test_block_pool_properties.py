@@ -16,8 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from index.keys import block_keys
-from replica.block_pool import Block, BlockPool, Cleared, Removed, Stored, make_engine_hasher
+from kvkeys.keys import block_keys
+from replica.sim.block_pool import Block, BlockPool, Cleared, Removed, Stored, make_engine_hasher
 
 BS = 2
 PREFIXES = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 9, 10]]

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from index.events import AllBlocksCleared, KVEventBatch, decode_batch, encode_batch
-from replica.kv_publisher import END_SEQ, KVEventPublisher, is_bind_endpoint
+from replica.sim.kv_publisher import END_SEQ, KVEventPublisher, is_bind_endpoint
 
 
 @pytest.fixture

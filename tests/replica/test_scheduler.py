@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replica.block_pool import Removed, Stored
-from replica.engine import EngineConfig, SimEngine
-from replica.scheduler import SimRequest
+from replica.sim.block_pool import Removed, Stored
+from replica.sim.engine import EngineConfig, SimEngine
+from replica.sim.scheduler import SimRequest
 
 VOCAB = list(range(100, 1100))
 

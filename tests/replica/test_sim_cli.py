@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvroute.cli import build_parser
-from replica.sim_main import settings_from_args
+from replica.sim.main import settings_from_args
 
 
 def test_sim_flags_reach_the_settings() -> None:

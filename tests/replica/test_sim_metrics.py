@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.engine import EngineConfig, SimEngine
-from replica.scheduler import SimRequest
-from replica.sim_metrics import SimMetrics
+from replica.sim.engine import EngineConfig, SimEngine
+from replica.sim.metrics import SimMetrics
+from replica.sim.scheduler import SimRequest
 
 
 def _samples(text: str) -> dict[str, float]:

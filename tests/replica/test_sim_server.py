@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 
 from index.events import ClearedEvent, StoredEvent, decode_batch
-from index.keys import block_keys
-from replica.engine import EngineConfig
-from replica.scheduler import SimRequest, StepPlan
-from replica.sim_server import SimHandle, start_sim
-from replica.tiny_tokenizer import build_tokenizer
+from kvkeys.keys import block_keys
+from replica.sim.engine import EngineConfig
+from replica.sim.scheduler import SimRequest, StepPlan
+from replica.sim.server import SimHandle, start_sim
+from replica.vllm.tiny_tokenizer import build_tokenizer
 
 MODEL = "sim-llama"
 TIMEOUT = aiohttp.ClientTimeout(total=10)

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoTokenizer
 
 from kvroute.cli import main
-from replica.tiny_model import (
+from replica.vllm.tiny_model import (
     TinyLlamaShape,
     build_tiny_model,
     read_safetensors_header,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from kvroute.cli import main
-from replica.vllm_launcher import (
+from replica.vllm.launcher import (
     VllmReplicaSpec,
     build_command,
     build_env,

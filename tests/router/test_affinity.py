@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from index.keys import block_keys
-from index.types import ReplicaId
+from kvkeys.keys import block_keys
+from kvkeys.types import ReplicaId
 from router.affinity import AffinityRing, affinity_key
 from router.policy import RouteRequest
 

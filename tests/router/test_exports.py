@@ -8,7 +8,7 @@ import router
 def test_exported_members() -> None:
     assert router.__all__ == sorted(router.__all__)
     assert set(router.__all__) == {
-        "Backoff", "ConfigError", "Decision", "LoadTracker", "Policy", "PolicyContext",
+        "ConfigError", "Decision", "LoadTracker", "Policy", "PolicyContext",
         "PolicyFactory", "PolicyRegistry", "Receipt", "ReplicaLoad", "ReplicaRegistry",
         "ReplicaState", "RouteRequest", "RouterSettings", "Service", "State", "create_app",
     }

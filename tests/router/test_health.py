@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.config import ReplicaSettings
-from router.replicas import ReplicaRegistry
+from router.replica_registry import ReplicaRegistry
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.horizon import HorizonEstimator, PoolSample, classify_return
 
 A = ReplicaId("a")

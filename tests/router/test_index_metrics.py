@@ -9,11 +9,11 @@ from collections.abc import Collection, Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
-from index.ingest import BatchResult
+from index.event_applier import BatchResult
 from index.memory import InMemoryIndex
 from index.status import SourceStatus
 from index.store import IndexUnavailable, KVIndex
-from index.types import EngineKey, PrefixHits, ReplicaId, RequestKey
+from kvkeys.types import EngineKey, PrefixHits, ReplicaId, RequestKey
 from router.index_metrics import (
     FanOutObserver,
     IndexMetrics,

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from replica.sim_server import SimHandle, start_sim
-from replica.tiny_tokenizer import build_tokenizer
+from replica.sim.server import SimHandle, start_sim
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.app import create_app
 from router.config import RouterSettings
 from tests.router.server import free_port, run_server

@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from index.memory import InMemoryIndex
-from index.prompt import Prompt
 from index.redis_store import RedisIndex
-from index.renderer_registry import ModelSpec, RendererRegistry
 from index.status import SourceStatus
-from index.types import EngineKey, Medium, ReplicaId
-from replica.tiny_tokenizer import build_tokenizer
+from kvkeys.types import EngineKey, Medium, ReplicaId
+from prompt.keyer import Prompt
+from prompt.registry import ModelSpec, RendererRegistry
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.horizon import PoolSample
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_services import RegistryPrompts

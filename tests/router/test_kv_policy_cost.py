@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from index.memory import InMemoryIndex
-from index.renderer_registry import ModelSpec, RendererRegistry
-from index.types import EngineKey, ReplicaHit, ReplicaId
-from replica.tiny_tokenizer import build_tokenizer
+from kvkeys.types import EngineKey, ReplicaHit, ReplicaId
+from prompt.registry import ModelSpec, RendererRegistry
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.kv_policy import KvPolicy
 from router.kv_services import RegistryPrompts
 from router.load import LoadTracker

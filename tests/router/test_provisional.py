@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from index.keys import block_keys
-from index.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.keys import block_keys
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
 from router.provisional import ProvisionalBlocks
 
 A, B = ReplicaId("a"), ReplicaId("b")

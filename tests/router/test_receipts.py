@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.receipts import ReceiptCalibration, check_receipt
 
 A = ReplicaId("a")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.types import ReplicaHit, ReplicaId
+from kvkeys.types import ReplicaHit, ReplicaId
 from router.scoring import (
     CostModel,
     Freshness,

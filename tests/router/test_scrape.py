@@ -8,9 +8,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from index.types import ReplicaId
-from replica.sim_server import SimHandle, start_sim
-from replica.tiny_tokenizer import build_tokenizer
+from kvkeys.types import ReplicaId
+from replica.sim.server import SimHandle, start_sim
+from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.horizon import HorizonEstimator, PoolSample
 from router.scrape import MetricsScraper, ScrapeSample, parse_vllm_metrics
 from tests.router.server import free_port

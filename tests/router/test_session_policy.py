@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.metrics import KvMetrics
 from router.policy import RouteRequest
 from router.session_policy import SessionPolicy

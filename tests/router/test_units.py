@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from index.backoff import Backoff
-from index.types import ReplicaId
+from aio.backoff import Backoff
+from kvkeys.types import ReplicaId
 from router.load import LoadTracker, ReplicaLoad
-from router.policies import LeastLoaded, RandomPolicy, RoundRobin
+from router.load_policies import LeastLoaded, RandomPolicy, RoundRobin
 from router.policy import RouteRequest
 
 R1, R2, R3 = ReplicaId("r1"), ReplicaId("r2"), ReplicaId("r3")

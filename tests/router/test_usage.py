@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 
-from index.types import ReplicaId
+from kvkeys.types import ReplicaId
 from router.plugins import PolicyContext
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from router.usage import UsageTap, inject_include_usage, usage_of_body

@@ -1,0 +1,300 @@
+"""A rendered prompt as the engine will see it: token ids, block keys, block size.
+
+``Prompt`` is the value every consumer shares (router policy, simulated replica,
+diagnostics).  Its ``block_keys`` are ``kvkeys.keys.block_keys(token_ids, block_size,
+model=model, cache_salt=cache_salt, lora_name=lora_name)``: chained keys of the full
+blocks only, the salt folded into block 0, the LoRA adapter name into every block,
+``model`` being the *base* model the replica serves.
+
+``PromptKeyer`` computes those keys incrementally.  A prompt arrives as a sequence of
+segments (``prompt.segments``), each with a serial number that identifies its exact
+token ids.  The keyer memoises the hash chain state after each segment, keyed by
+(state before, segment serial), so a prompt that extends a previous one only hashes the
+blocks its new segments complete (in one ``block_keys`` call for all of them).  The
+memo is bounded (a trie of at most ``max_nodes`` states, dropped whole when full); a
+miss only costs recomputation, and the result is always equal to ``block_keys`` over
+the whole token list (a property test checks this).
+
+A prompt that starts with the very segments of an earlier one can skip even the walk
+down the trie: ``keys(..., resume=KeyResume(trail, shared))`` starts from the state
+the earlier prompt reached after its first ``shared`` segments (its ``KeyTrail``, the
+state after each of its segments, taken only under the same ``KeyContext``) and leaves
+this prompt's own trail in ``resume.trail``.  States are plain values: a trail stays
+valid after the trie is dropped.  A trail resumes one prompt: when nothing else holds
+its key list (the earlier prompt is gone; ``sys.getrefcount``), the new prompt's keys
+are that list, truncated and extended in place, and the trail is emptied.
+
+``validate_cache_salt`` applies vLLM 0.30+'s rule, raising ``InvalidCacheSalt`` (HTTP
+400).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvkeys.keys import block_keys, expected_cached_tokens
+from kvkeys.types import RequestKey
+from prompt.errors import InvalidCacheSalt
+from prompt.segments import EXACT_REFCOUNTS, Segment
+
+MAX_CACHE_SALT_LENGTH = 128
+_FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
+
+_HELD_BY_THE_TRAIL_ONLY = 2
+"""``sys.getrefcount`` of a trail's key list that only the trail holds (its field and
+the call's argument): the prompt it was handed to is gone, so it may be reused."""
+
+DEFAULT_MAX_KEY_NODES = 200_000
+"""Memoised chain states.  One per segment of each remembered prompt (about 4 per
+message), so the default covers some 5,000 ten-turn conversations in ~40 MB."""
+
+
+def validate_cache_salt(cache_salt: object) -> str | None:
+    """Return ``cache_salt`` if vLLM would accept it, else raise ``InvalidCacheSalt``.
+
+    ``None`` means no salt.  Otherwise it must be a non-empty string of at most 128
+    characters without ``@``, ``/``, ``\\`` or NUL (vLLM 0.30+; older versions only
+    required a non-empty string, so this is the stricter, forward-compatible rule).
+    """
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidCacheSalt("Parameter 'cache_salt' must be a non-empty string if provided.")
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH or not _FORBIDDEN_SALT_CHARS.isdisjoint(cache_salt):
+        raise InvalidCacheSalt(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL."
+        )
+    return cache_salt
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt, tokenised and keyed exactly as the engine will see it.
+
+    ``token_ids`` and ``block_keys`` are lists for speed; treat them as read-only (the
+    renderer keeps them to build the conversation's next turn from).
+    """
+
+    token_ids: list[int]
+    block_keys: list[RequestKey]
+    block_size: int
+    model: str
+    """The base model the replica serves (the root of the key chain)."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    source: Literal["local", "remote"] = "local"
+    """Rendered here, or by a replica (``prompt.remote_render``)."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.token_ids)
+
+    def expected_cached_tokens(self, matched_blocks: int) -> int:
+        """Tokens the engine serves from cache when ``matched_blocks`` leading blocks are
+        held: full blocks only, and never the last prompt token (vLLM recomputes it)."""
+        return expected_cached_tokens(matched_blocks, len(self.token_ids), self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyContext:
+    """What a key chain depends on besides the tokens."""
+
+    model: str
+    block_size: int
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class _Node:
+    """Chain state after a prefix: full blocks so far, last key, leftover tokens, and
+    the states reached from here by each next segment (by serial)."""
+
+    __slots__ = ("children", "keys", "last", "n_blocks", "tail")
+
+    def __init__(
+        self,
+        n_blocks: int,
+        last: RequestKey | None,
+        tail: tuple[int, ...],
+        keys: list[RequestKey],
+    ) -> None:
+        self.n_blocks = n_blocks
+        self.last = last
+        self.tail = tail
+        self.keys = keys
+        self.children: dict[int, _Node] = {}
+
+
+class KeyTrail:
+    """The chain states one keyed prompt reached: ``nodes[i]`` after its segment ``i``,
+    under ``ctx``; ``keys`` are that prompt's block keys (read-only)."""
+
+    __slots__ = ("ctx", "keys", "nodes")
+
+    def __init__(self, ctx: KeyContext, nodes: list[_Node], keys: list[RequestKey]) -> None:
+        self.ctx = ctx
+        self.nodes = nodes
+        self.keys = keys
+
+
+@dataclass(slots=True, eq=False)
+class KeyResume:
+    """Keying a prompt whose first ``shared`` segments are those of ``base``'s prompt."""
+
+    base: KeyTrail | None
+    shared: int
+    trail: KeyTrail | None = None
+    """This prompt's trail, left by ``PromptKeyer.keys`` (which drops ``base``)."""
+
+
+class PromptKeyer:
+    """Block keys of segmented prompts, memoised as a trie of (chain state, segment).
+
+    The trie holds at most ``max_nodes`` states.  When full it is dropped whole and
+    regrown (a generational reset): one prompt after a reset pays the cold cost, which
+    keeps every hit free of LRU bookkeeping.
+    """
+
+    def __init__(self, *, max_nodes: int = DEFAULT_MAX_KEY_NODES) -> None:
+        if max_nodes < 1:
+            raise ValueError("max_nodes must be >= 1")
+        self._max_nodes = max_nodes
+        self._nodes = 0
+        self._roots: dict[KeyContext, _Node] = {}
+        self.misses = 0
+        self.resets = 0
+        self.taken_over = 0
+        """Prompts whose keys are the key list of the trail they resumed."""
+
+    def keys(
+        self,
+        ctx: KeyContext,
+        segments: Sequence[Segment],
+        *,
+        resume: KeyResume | None = None,
+    ) -> list[RequestKey]:
+        """``block_keys`` of the concatenated segment ids under ``ctx``.
+
+        With ``resume``, start after its ``shared`` segments when its base trail was
+        keyed under ``ctx`` (the caller guarantees those segments are the base's), and
+        record this prompt's trail in it.
+        """
+        start = 0
+        nodes: list[_Node] | None = None
+        node: _Node | None = None
+        out: list[RequestKey] = []
+        if resume is not None:
+            base, resume.base = resume.base, None
+            nodes = []
+            if base is not None and base.ctx == ctx and 0 < resume.shared <= len(base.nodes):
+                start = resume.shared
+                nodes = base.nodes[:start]
+                node = nodes[-1]
+                if (EXACT_REFCOUNTS
+                        and sys.getrefcount(base.keys) == _HELD_BY_THE_TRAIL_ONLY):
+                    out = base.keys  # the previous prompt is gone: take its keys over
+                    del out[node.n_blocks :]
+                    base.keys, base.nodes = [], []  # spent: nothing resumes from it
+                    self.taken_over += 1
+                else:
+                    out = base.keys[: node.n_blocks]
+        if node is None:
+            node = self._roots.get(ctx)
+            if node is None:
+                node = self._roots[ctx] = _Node(0, None, (), [])
+                self._count_node()
+        rest = segments[start:] if start else segments
+        for i, (serial, ids) in enumerate(rest):
+            if ids:
+                child = node.children.get(serial)
+                if child is None:
+                    self._grow(ctx, node, rest[i:] if i else rest, out, nodes)
+                    break
+                if child.keys:
+                    out.extend(child.keys)
+                node = child
+            if nodes is not None:
+                nodes.append(node)
+        if resume is not None and nodes is not None:
+            resume.trail = KeyTrail(ctx, nodes, out)
+        return out
+
+    def _grow(
+        self,
+        ctx: KeyContext,
+        node: _Node,
+        segments: Sequence[Segment],
+        out: list[RequestKey],
+        nodes: list[_Node] | None,
+    ) -> None:
+        """Key ``segments``, the first of which is not a child of ``node``: the blocks
+        they complete are hashed in one ``block_keys`` call, then the state after each
+        segment is added to the trie (and to ``nodes``)."""
+        bs = ctx.block_size
+        pending: list[int] = [*node.tail]
+        ends: list[int] = []
+        for _, ids in segments:
+            pending += ids
+            ends.append(len(pending))
+        full = len(pending) // bs
+        keys: list[RequestKey] = []
+        if full:
+            keys = block_keys(
+                pending[: full * bs],
+                bs,
+                model=ctx.model,
+                cache_salt=ctx.cache_salt,
+                lora_name=ctx.lora_name,
+                parent=node.last,
+                first_block_index=node.n_blocks,
+            )
+            out += keys
+        base_blocks, base_last = node.n_blocks, node.last
+        done = 0  # blocks of ``keys`` completed by the segments so far
+        for (serial, ids), end in zip(segments, ends, strict=True):
+            if ids:
+                blocks = end // bs
+                child = _Node(
+                    base_blocks + blocks,
+                    keys[blocks - 1] if blocks else base_last,
+                    tuple(pending[blocks * bs : end]),
+                    keys[done:blocks] if blocks > done else [],
+                )
+                done = blocks
+                node.children[serial] = child
+                self.misses += 1
+                self._count_node()
+                node = child
+            if nodes is not None:
+                nodes.append(node)
+
+    def _count_node(self) -> None:
+        self._nodes += 1
+        if self._nodes > self._max_nodes:
+            # Drop every memoised state; nodes already reached stay valid for the
+            # prompt being keyed (they are plain values), and regrow from the roots.
+            self._roots.clear()
+            self._nodes = 0
+            self.resets += 1
+
+    def clear(self) -> None:
+        """Forget every memoised state."""
+        self._roots.clear()
+        self._nodes = 0
+
+
+__all__ = [
+    "DEFAULT_MAX_KEY_NODES",
+    "MAX_CACHE_SALT_LENGTH",
+    "KeyContext",
+    "KeyResume",
+    "KeyTrail",
+    "Prompt",
+    "PromptKeyer",
+    "validate_cache_salt",
+]

@@ -1,0 +1,221 @@
+"""The simulated engine core: the scheduler's step loop on asyncio, in simulated time.
+
+Contract:
+
+* ``SimEngine.run()`` is the one task that steps the scheduler; its owner (the server's
+  lifespan) cancels and awaits it.  No threads.
+* Time: ``time_scale`` is wall-clock seconds per simulated second (1.0 = real time,
+  0.01 = a hundred times faster).  ``time_scale == 0`` runs in *virtual* time: steps
+  follow each other with no sleep, and the simulated clock only advances by step
+  durations (used by benchmarks to measure the engine's CPU cost).
+* After each step the engine publishes that step's pool events as one batch through its
+  ``EventSink`` (vLLM publishes one ``KVEventBatch`` per step that produced events),
+  then wakes the requests that produced a token (``SimRequest.on_output``).
+* ``reset_prefix_cache()`` mirrors vLLM's: it fails while requests hold blocks.
+
+What it does not do: HTTP, tokenising, metrics exposition (``replica.sim.server``,
+``replica.sim.metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from replica.sim.block_pool import BlockPool, PoolEvent, make_engine_hasher
+from replica.sim.offload import HostTier
+from replica.sim.profiles import Profile, get_profile
+from replica.sim.scheduler import Scheduler, SimRequest
+
+
+class EventSink(Protocol):
+    """Where one step's KV events go (a ZMQ publisher in production, a list in tests)."""
+
+    async def publish(self, events: Sequence[PoolEvent]) -> None:
+        """Publish one step's events as one batch."""
+
+
+class ListSink:
+    """An ``EventSink`` that keeps every batch in memory (tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[PoolEvent]] = []
+
+    async def publish(self, events: Sequence[PoolEvent]) -> None:
+        self.batches.append(list(events))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes one simulated engine."""
+
+    model: str
+    block_size: int = 16
+    num_blocks: int | None = None
+    """Physical KV blocks, the null block included (vLLM's ``num_gpu_blocks``); the
+    profile's figure when ``None``."""
+    profile: str = "default"
+    time_scale: float = 1.0
+    seed: int = 0
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    cpu_offload_blocks: int = 0
+    """Host-tier capacity in blocks (0: no host tier)."""
+    cpu_offload_bandwidth: float = 25e9
+    """Host-to-GPU copy bandwidth in bytes/s (PCIe 5 x16 is ~50 GB/s raw, ~25 effective)."""
+
+    def resolved_profile(self) -> Profile:
+        """The timing profile named by ``profile``."""
+        return get_profile(self.profile)
+
+
+class SimEngine:
+    """Scheduler + pool + step loop; the part of a simulated replica without HTTP."""
+
+    def __init__(
+        self, config: EngineConfig, vocab: list[int], *, sink: EventSink | None = None
+    ) -> None:
+        if config.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        profile = config.resolved_profile()
+        self.config = config
+        self.profile = profile
+        num_blocks = config.num_blocks or profile.num_gpu_blocks(config.block_size)
+        host = None
+        if config.cpu_offload_blocks > 0:
+            host = HostTier(
+                config.cpu_offload_blocks,
+                block_bytes=profile.kv_bytes_per_token * config.block_size,
+                bandwidth_bytes_per_s=config.cpu_offload_bandwidth,
+            )
+        self.pool = BlockPool(
+            num_blocks, config.block_size, hasher=make_engine_hasher(config.seed ^ 0x5EED),
+            host_tier=host,
+        )
+        self.scheduler = Scheduler(
+            self.pool, profile, model=config.model, vocab=vocab,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+        )
+        capacity = (num_blocks - 1) * config.block_size
+        self.max_model_len = min(config.max_model_len or profile.max_model_len, capacity)
+        self.sink = sink
+        self.time_scale = config.time_scale
+        self.steps = 0
+        self._wake = asyncio.Event()
+        self._t0: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._virtual_now = 0.0
+        self._reset_pending = False
+
+    # ---- clock ---------------------------------------------------------------------
+
+    def now(self) -> float:
+        """Current simulated time in seconds since the engine started."""
+        if self.time_scale == 0:
+            return self._virtual_now
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        if self._t0 is None:
+            self._t0 = loop.time()
+        return (loop.time() - self._t0) / self.time_scale
+
+    # ---- requests ------------------------------------------------------------------
+
+    def submit(self, req: SimRequest) -> None:
+        """Queue a request; its ``on_output`` fires after each step that gives it a token
+        (only after the last one when ``req.stream`` is false)."""
+        self.scheduler.add(req, self.now())
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Forget a request whose client went away."""
+        self.scheduler.abort(req)
+
+    @property
+    def num_running(self) -> int:
+        """``vllm:num_requests_running``."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """``vllm:num_requests_waiting``."""
+        return len(self.scheduler.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (``AllBlocksCleared``); ``False`` while blocks are in use.
+
+        As in vLLM 0.32, the ``AllBlocksCleared`` event goes out with the next engine
+        step's batch, even when the engine is idle: a router that watches events keeps
+        the old blocks until the next request runs (the real engine behaves the same).
+        """
+        ok = self.pool.reset()
+        if ok:
+            self._reset_pending = True
+            self._wake.set()
+        return ok
+
+    # ---- the loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step forever (until cancelled)."""
+        sched = self.scheduler
+        pool = self.pool
+        loop = asyncio.get_running_loop()
+        if self._t0 is None:
+            self._t0 = loop.time()
+        while True:
+            if not sched.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = self.now()
+            plan = sched.schedule(start)
+            if not plan.scheduled:
+                # Nothing fits (e.g. the head request waits for blocks held by nobody
+                # running): wait for a new arrival or an abort.
+                await self._flush(pool.take_events())
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            end = start + plan.duration_s
+            if self.time_scale == 0:
+                self._virtual_now = end
+                await asyncio.sleep(0)
+            else:
+                assert self._t0 is not None
+                delay = self._t0 + end * self.time_scale - loop.time()
+                await asyncio.sleep(delay if delay > 0 else 0)
+            outputs = sched.finish_step(plan, end)
+            self.steps += 1
+            events = pool.take_events()
+            if events:
+                await self._flush(events)
+            for req in outputs:
+                cb = req.on_output
+                if cb is not None and (req.stream or req.finished):
+                    cb(req)
+
+    def step_virtual(self) -> list[SimRequest]:
+        """One synchronous step in virtual time (benchmarks and tests; no sink)."""
+        sched = self.scheduler
+        plan = sched.schedule(self._virtual_now)
+        if not plan.scheduled:
+            return []
+        self._virtual_now += plan.duration_s
+        self.steps += 1
+        return sched.finish_step(plan, self._virtual_now)
+
+    def advance_virtual(self, to: float) -> None:
+        """Move the virtual clock forward to ``to`` (idle time between arrivals)."""
+        if to > self._virtual_now:
+            self._virtual_now = to
+
+    async def _flush(self, events: list[PoolEvent]) -> None:
+        self._reset_pending = False
+        if events and self.sink is not None:
+            await self.sink.publish(events)
