@@ -4,6 +4,9 @@ A policy sees a ``RouteRequest`` (what the router parsed from the request) and t
 candidate replicas (healthy, serving the model), and returns a ``Decision``: an ordered
 list of replicas (the first is the choice, the rest are failover candidates), the reason,
 and for KV-aware policies the prediction that the receipt is later checked against.
+A policy that needs to carry its own state from ``route`` to ``record`` puts it in the
+decision's ``ticket``, typed by the policy (``Decision[KvTicket]``); everyone else sees
+an opaque value.
 
 The proxy never knows which policy it runs: ``round_robin``, ``least_loaded``,
 ``random``, ``session`` and ``kv`` all implement ``Policy``.  After the response, the
@@ -15,11 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol
+
+from typing_extensions import TypeVar
 
 from kvkeys.types import ReplicaId
 
 Endpoint = Literal["chat", "completions", "other"]
+
+TicketT = TypeVar("TicketT", default=Any)
+"""A policy's own state carried from ``route`` to ``record`` (opaque to the proxy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +47,7 @@ class RouteRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(Generic[TicketT]):
     """Where a request goes, why, and what the policy expects the replica to report."""
 
     replicas: tuple[ReplicaId, ...]
@@ -52,7 +60,9 @@ class Decision:
     want_usage: bool = False
     """Ask the replica for ``usage`` on streams (the proxy strips the extra chunk)."""
     detail: Mapping[str, Any] = field(default_factory=dict)
-    """Per-replica breakdown for ``/debug/route`` and the debug log."""
+    """Debug output only (``/debug/route``, the debug log): no policy reads it back."""
+    ticket: TicketT | None = None
+    """The deciding policy's own state for ``record``; nobody else reads it."""
 
     @property
     def replica(self) -> ReplicaId:
@@ -72,15 +82,19 @@ class Receipt:
     completion_tokens: int | None = None
 
 
-class Policy(Protocol):
+class Policy(Protocol[TicketT]):
     """A routing policy.  ``route`` must not block the event loop."""
 
     name: str
 
-    async def route(self, request: RouteRequest, candidates: Sequence[ReplicaId]) -> Decision:
+    async def route(
+        self, request: RouteRequest, candidates: Sequence[ReplicaId]
+    ) -> Decision[TicketT]:
         """Order ``candidates`` (never empty) for ``request``."""
         ...
 
-    def record(self, request: RouteRequest, decision: Decision, receipt: Receipt) -> None:
+    def record(
+        self, request: RouteRequest, decision: Decision[TicketT], receipt: Receipt
+    ) -> None:
         """Learn from what the chosen replica reported (called once per request)."""
         ...

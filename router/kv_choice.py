@@ -1,0 +1,114 @@
+"""The ``kv`` policy's last step: from ranked replicas to an ordered choice and a reason.
+
+Either the score decides (``pick``: best score, ties by the request's ring order, or a
+softmax draw at a positive temperature), or, when the index has nothing useful, session
+affinity does: the session's previous replica, else ring order, unless the pinned
+replica's load exceeds the least loaded's by ``balance_abs_tokens`` and ``balance_rel``x.
+
+Reasons (bounded label values): ``kv_hit`` (the chosen replica has the best expected
+hit), ``kv_load`` (load outweighed a better hit elsewhere), ``kv_new`` (no hit anywhere
+and every event source live: a new prefix, placed by load), ``affinity_no_hit`` (no
+useful hit while some event source is not live: the index may not know),
+``affinity_index_down``, ``affinity_no_prompt``, ``affinity_overload``.
+
+Pure apart from the sampler, which is called only when a softmax draw is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvkeys.types import ReplicaId
+from router.scoring import ReplicaScore, ScoringWeights, pick
+
+__all__ = ["Choice", "ChoiceRules", "Fallback", "affinity_order", "choose"]
+
+Fallback = Literal["no_prompt", "index_down", "no_hit"]
+"""Why the index could not decide: no exact prompt, index unavailable, or no useful hit
+while some candidate's event source was not live."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceRules:
+    """The settings the choice reads."""
+
+    weights: ScoringWeights
+    min_hit_tokens: int
+    temperature: float
+    balance_abs_tokens: float
+    balance_rel: float
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Ordered replicas (the first is chosen), the reason, and the fallback taken."""
+
+    ordered: list[ReplicaScore]
+    reason: str
+    fallback: Fallback | None
+
+    @property
+    def chosen(self) -> ReplicaScore:
+        """The chosen replica's score."""
+        return self.ordered[0]
+
+
+def choose(
+    ranked: Sequence[ReplicaScore],
+    preference: Mapping[ReplicaId, int],
+    rules: ChoiceRules,
+    *,
+    fallback: Fallback | None,
+    sighted: bool,
+    sticky: ReplicaId | None,
+    sample: Callable[[], float],
+) -> Choice:
+    """Order ``ranked`` by score, or by affinity under a fallback (module docstring).
+
+    ``sighted``: every candidate's event source is live, so a miss means a new prefix.
+    ``sticky``: the session's previous replica, preferred under affinity."""
+    best_expected = max(s.expected_cached_tokens for s in ranked)
+    no_hit = fallback is None and best_expected < rules.min_hit_tokens
+    if no_hit and not sighted:
+        # The index may just not know: keep sessions where the ring pins them.
+        fallback = "no_hit"
+    if fallback is not None:
+        ordered, overloaded = affinity_order(ranked, preference, rules, sticky)
+        reason = "affinity_overload" if overloaded else f"affinity_{fallback}"
+        return Choice(ordered, reason, fallback)
+    u = sample() if rules.temperature > 0 else 0.0
+    ordered = pick(ranked, preference=preference, temperature=rules.temperature, u=u)
+    if no_hit:
+        reason = "kv_new"
+    elif ordered[0].expected_cached_tokens >= best_expected:
+        reason = "kv_hit"
+    else:
+        reason = "kv_load"
+    return Choice(ordered, reason, None)
+
+
+def affinity_order(
+    ranked: Sequence[ReplicaScore],
+    preference: Mapping[ReplicaId, int],
+    rules: ChoiceRules,
+    sticky: ReplicaId | None = None,
+) -> tuple[list[ReplicaScore], bool]:
+    """The session's previous replica (where its cache is, whoever placed it), else
+    ring order; unless the pinned replica is overloaded (abs and rel).  Also returns
+    whether it was."""
+    last = len(preference)
+    ordered = sorted(ranked, key=lambda s: (s.replica != sticky,
+                                            preference.get(s.replica, last)))
+    w = rules.weights
+
+    def cost(s: ReplicaScore) -> float:
+        return w.beta * s.queued_prefill_tokens + w.gamma * s.decode_load
+
+    pinned = ordered[0]
+    least = min(ordered, key=lambda s: (cost(s), preference.get(s.replica, last)))
+    c_pin, c_min = cost(pinned), cost(least)
+    if c_pin - c_min > rules.balance_abs_tokens and c_pin > rules.balance_rel * c_min:
+        return [least, *(s for s in ordered if s is not least)], True
+    return ordered, False
