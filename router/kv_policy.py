@@ -82,6 +82,7 @@ from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose
 from router.load import LoadTracker
 from router.metrics import KvMetrics
+from router.move_cost import FleetState, busy_share, price_moves
 from router.policy import Decision, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
@@ -123,6 +124,8 @@ class KvConfig:
     detect_prefix_breaks: bool = True
     receipt_large_abs_tokens: int = 64
     receipt_large_rel: float = 0.1
+    price_moves: bool = True
+    """Charge a later turn's move what it costs the fleet (``router.move_cost``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +268,10 @@ class KvPolicy:
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
+        if previous is not None and self.config.price_moves:
+            ranked, _ = price_moves(ranked, previous.replica,
+                                    self._fleet_states(candidates, block_size),
+                                    self.config.weights.alpha)
         choice = choose(
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
@@ -282,6 +289,15 @@ class KvPolicy:
             self._route_hist.observe(time.perf_counter() - t0)
         _log_decision(request, decision, choice, n_tokens)
         return decision
+
+    def _fleet_states(
+        self, candidates: Sequence[ReplicaId], block_size: int
+    ) -> dict[ReplicaId, FleetState]:
+        """Busy and reuse shares per candidate, for pricing moves (``router.move_cost``)."""
+        rate = self.config.costs.prefill_tokens_per_s
+        return {r: FleetState(busy=busy_share(self.horizon.allocation_rate(r), block_size, rate),
+                              reuse=self.tracker.reuse_share(r))
+                for r in candidates}
 
     async def _render(
         self, request: RouteRequest, candidates: Sequence[ReplicaId]

@@ -330,6 +330,7 @@ def kv_config(s: ScoringSettings) -> KvConfig:
         detect_prefix_breaks=s.detect_prefix_breaks,
         receipt_large_abs_tokens=s.receipt_large_abs_tokens,
         receipt_large_rel=s.receipt_large_rel,
+        price_moves=s.price_moves,
     )
 
 
