@@ -276,7 +276,7 @@ class KvPolicy:
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
             sticky=previous.replica if previous is not None else None,
-            sample=self._rng.random,
+            sample=self._rng.random, block_size=block_size,
         )
         t_score = time.perf_counter()
         decision = self._decision(prompt, akey, found, choice, dry_run=not commit)
