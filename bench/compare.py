@@ -98,7 +98,8 @@ async def tokenize_trace(
     concurrency: int = 8,
 ) -> list[CacheRequest]:
     """The trace's prompts as token ids (from the replica's ``/tokenize``), in trace order,
-    for ``bench.bounds``."""
+    for ``bench.bounds``.  A prompt the replica refuses as too long (HTTP 400) is left
+    out: every target's request for it fails the same way."""
     jobs: list[tuple[TraceRequest, list[dict[str, Any]]]] = []
     for turns in by_session(trace).values():
         jobs.extend(zip(turns, conversation(turns), strict=True))
@@ -113,6 +114,8 @@ async def tokenize_trace(
         body = {"model": turn.model or model, "messages": messages,
                 "add_generation_prompt": True}
         async with sem, http.post(url.rstrip("/") + "/tokenize", json=body) as resp:
+            if resp.status == 400 and "context length" in await resp.text():
+                return
             if resp.status != 200:
                 raise FleetError(f"/tokenize failed (HTTP {resp.status}): "
                                  f"{(await resp.text())[:200]}")

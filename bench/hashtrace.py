@@ -35,10 +35,11 @@ that request's arrival.  Either way the result is ``bench.trace`` semantics: tur
 goes out ``think_s`` after turn N's reply, so a slow system delays the conversation.
 
 Each imported request is a ``ScaledRequest``; ``to_trace`` renders them as chat turns for
-the HTTP runner (one user message of words, one per token of a tokenizer whose common
-words are single tokens: the chat template adds a constant header, so block boundaries
-shift by the same offset for every request), and ``token_ids`` gives the exact token ids
-for replays that skip the tokenizer (``kvroute replay``).
+the HTTP runner (one user message of words, one word per token: ``single_token_words``
+picks words the replicas' tokenizer encodes as one token each, so lengths are exact; the
+chat template adds a constant header, so block boundaries shift by the same offset for
+every request), and ``token_ids`` gives the exact token ids for replays that skip the
+tokenizer (``kvroute replay``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ __all__ = [
     "import_records",
     "load_hash_trace",
     "parse_hash_trace",
+    "single_token_words",
     "to_trace",
     "token_ids",
 ]
@@ -238,6 +240,26 @@ def token_ids(
         out.extend(block_token_ids(seed, req.prompt_tokens - len(out), vocab_size,
                                    offset=offset))
     return out[: req.prompt_tokens]
+
+
+def single_token_words(tokenizer_dir: Path, limit: int = 2000) -> list[str]:
+    """Words that ``tokenizer_dir``'s tokenizer encodes as exactly one token each after a
+    space (so an imported prompt of ``n`` words is ``n`` tokens), in id order, at most
+    ``limit`` (blocking: it loads the tokenizer)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    out: list[str] = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i])
+        word = text.strip()
+        if not (text.startswith(" ") and word.isalpha() and word.isascii() and len(word) > 1):
+            continue
+        if tok.encode(" " + word, add_special_tokens=False).ids == [i]:
+            out.append(word)
+            if len(out) >= limit:
+                break
+    return out
 
 
 def to_trace(
