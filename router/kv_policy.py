@@ -281,7 +281,10 @@ class KvPolicy:
         t_score = time.perf_counter()
         decision = self._decision(prompt, akey, found, choice, dry_run=not commit)
         if commit:
+            left = previous.replica if previous is not None else None  # before the turn
             self._commit(request, decision, choice, prompt, akey, previous is None, now)
+            if left is not None:
+                self._count_given_up(left, choice)
         if self._metrics is not None:
             self._stage["render"].observe(t_render - t0)
             self._stage["lookup"].observe(t_lookup - t_render)
@@ -402,6 +405,16 @@ class KvPolicy:
         fallback = choice.fallback
         if fallback is not None and fallback != "no_hit" and m is not None:
             m.fallbacks.labels(fallback).inc()
+
+    def _count_given_up(self, left: ReplicaId, choice: Choice) -> None:
+        """A later turn that leaves ``left``: count the expected hit it gives up there."""
+        chosen = choice.chosen
+        if chosen.replica == left or self._metrics is None:
+            return
+        home = next((s for s in choice.ordered if s.replica == left), None)
+        if home is not None and home.expected_cached_tokens > chosen.expected_cached_tokens:
+            self._metrics.moved_given_up_tokens.labels(left).inc(
+                home.expected_cached_tokens - chosen.expected_cached_tokens)
 
     # ------------------------------------------------------------------ metrics
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:
