@@ -30,6 +30,11 @@ Algorithm, per request (``KvPolicy.decide``, a pipeline of the parts below):
    a second replica also holds (a popular prefix) count as hot.  ``placements`` (new
    conversations only) is the decaying count of new conversations recently placed on
    the replica: future load the queue does not show yet under paced traffic.
+   For a later turn, each replica that holds less of the conversation than its previous
+   replica is charged what the move costs the fleet beyond the request
+   (``router.move_cost``: the recomputation delaying others on a busy target, the cache
+   it displaces there and strands at the origin), so a turn leaves only when the queue
+   it avoids is worth more (``scoring.price_moves``).
 5. **Pick** (``router.kv_choice``): the best score; exact ties go by the request's
    consistent-hash ring order, so equal replicas (all holding a shared system prompt,
    no load) still spread new conversations.  A popular prefix whose holder is
