@@ -3,9 +3,13 @@ policies, its figures consistent with the engine and the cache bounds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
 from bench.hashtrace import HashScale, import_records, load_hash_trace
+from kvroute.cli import main
 from kvroute.replay.loop import ReplayConfig, replay
 from kvroute.replay.requests import ReplayRequest, from_hash_trace
 from kvroute.replay.summary import bounds_of, figures
@@ -55,3 +59,25 @@ async def test_too_long_prompts_are_rejected_and_the_session_goes_on() -> None:
     assert by_turn[2].error == "too_long" and by_turn[1].ok and by_turn[3].ok
     # Turn 3 repeats turn 1's first 39 tokens: two full blocks cached on the same replica.
     assert by_turn[3].replica == by_turn[1].replica and by_turn[3].cached_tokens == 32
+
+
+def test_kvroute_replay_command_prints_tables_and_writes_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "replay.json"
+    code = main(["replay", "--hash-trace", str(SLICE), "--duration-s", "40",
+                 "--max-tokens", "8", "--num-blocks", "512,4096",
+                 "--policies", "session,kv", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "| 512 | kv |" in text and "| 4096 | bound: pooled_optimal |" in text
+    points = json.loads(out.read_text())["points"]
+    assert [(p["num_blocks"], p["policy"]) for p in points] == [
+        (512, "session"), (512, "kv"), (4096, "session"), (4096, "kv")]
+    for p in points:
+        assert p["cached_share"] <= p["bounds"]["pooled_optimal"]
+    # 511 usable blocks of 16 tokens: the few prompts longer than that are refused by
+    # every policy alike; 4,096 blocks take them all.
+    errors = {(p["num_blocks"], p["policy"]): p["errors"] for p in points}
+    assert errors[(512, "session")] == errors[(512, "kv")] > 0
+    assert errors[(4096, "session")] == errors[(4096, "kv")] == 0
