@@ -57,3 +57,33 @@ def test_new_conversations_and_origins_without_context_are_not_charged() -> None
     assert price_moves(ranked, None, states, 1.0) == (ranked, {})
     assert price_moves(ranked, A, states, 1.0) == (ranked, {})
 
+
+
+def test_reuse_share_is_learnt_from_returns_within_the_horizon() -> None:
+    from router.affinity import AffinityKey
+    from router.horizon import HorizonEstimator, PoolSample
+    from router.policy import RouteRequest
+    from router.receipts import ReceiptCalibration
+    from router.session_table import SessionTable
+    from router.session_tracker import SessionTracker
+
+    horizon = HorizonEstimator(tau_s=30.0, stale_s=1e9)
+    for t, computed in ((0.0, 0.0), (1.0, 1600.0)):  # 100 blocks/s, 750 free: 7.5 s
+        horizon.observe_scrape(A, PoolSample(t=t, block_size=16, num_gpu_blocks=1000,
+                                             kv_usage=0.25, computed_prompt_tokens_total=computed,
+                                             generation_tokens_total=0.0))
+    tracker = SessionTracker(sessions=SessionTable(), horizon=horizon,
+                             calibration=ReceiptCalibration(), metrics=None, policy_name="kv",
+                             detect_prefix_breaks=False, receipt_large_abs_tokens=64,
+                             receipt_large_rel=0.1)
+    assert tracker.reuse_share(A) is None
+    key = AffinityKey("s", "session")
+    request = RouteRequest("q", "chat", "/v1/chat/completions", "m", {}, "s")
+    now = 1.0
+    for think in (1.0, 2.0, 30.0):  # two returns within 7.5 s, one beyond
+        tracker.turn(request, key, A, None, now)
+        tracker.finished("s", A, None, now)
+        now += think
+    tracker.turn(request, key, A, None, now)
+    assert tracker.reuse_share(A) == pytest.approx((2 + 1) / (3 + 2))
+    assert tracker.reuse_share(B) is None
