@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,7 +237,7 @@ def token_ids(
         if len(out) >= req.prompt_tokens:
             break
     if len(out) < req.prompt_tokens:  # a line without hash ids: unique content
-        seed = hash((req.session, req.turn))
+        seed = zlib.crc32(f"{req.session}/{req.turn}".encode())  # stable across runs
         out.extend(block_token_ids(seed, req.prompt_tokens - len(out), vocab_size,
                                    offset=offset))
     return out[: req.prompt_tokens]

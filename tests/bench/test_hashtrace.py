@@ -78,3 +78,14 @@ def test_mooncake_slice_imports_and_replays_as_chat_turns() -> None:
     first = next(conversation([trace[0]]))
     assert first[0]["role"] == "user"
     assert len(first[0]["content"].split()) == reqs[0].prompt_tokens
+
+
+def test_lines_without_hash_ids_get_stable_unique_content() -> None:
+    text = '{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": []}\n' * 2
+    scale = HashScale(block_tokens=16, source_block_tokens=16)
+    a, b = import_records(parse_hash_trace(text), scale)
+    assert a.session != b.session and a.prompt_tokens == 100
+    ta = token_ids(a, scale, 1000)
+    assert len(ta) == 100 and ta != token_ids(b, scale, 1000)
+    # A function of the session and turn only (no per-process string hashing).
+    assert ta == token_ids(a, scale, 1000)
