@@ -252,6 +252,11 @@ async def run_compare(
     policies = [p for p in args.policies.split(",") if p]
     targets = [Target(p, policy=p) for p in policies] + [Target(p.name, peer=p) for p in peers]
     scale = args.time_scale or 0.1
+    if scale != 1.0:
+        say(f"note: time scale {scale:g}: the replicas run {1 / scale:g}x faster than the "
+            "routers' wall clocks (provisional TTL, placement decay, eviction horizon), so "
+            "routing judgements see stretched time; pass --time-scale 1 for figures that "
+            "do not depend on it (or use `kvroute replay`)")
     run_cfg = RunConfig(url="", model="kvroute-bench", time_scale=scale, replies=args.replies,
                         stream=not args.no_stream, max_tokens_cap=args.max_tokens,
                         sim_timing=True)
