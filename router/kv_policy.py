@@ -286,10 +286,11 @@ class KvPolicy:
         t_score = time.perf_counter()
         decision = self._decision(prompt, akey, found, choice, dry_run=not commit)
         if commit:
-            left = previous.replica if previous is not None else None  # before the turn
+            # Read before the turn is recorded (the table updates the state in place).
+            moves = (previous.replica, previous.left) if previous is not None else None
             self._commit(request, decision, choice, prompt, akey, previous is None, now)
-            if left is not None:
-                self._count_given_up(left, choice)
+            if moves is not None:
+                self._count_moves(*moves, choice)
         if self._metrics is not None:
             self._stage["render"].observe(t_render - t0)
             self._stage["lookup"].observe(t_lookup - t_render)
@@ -411,15 +412,23 @@ class KvPolicy:
         if fallback is not None and fallback != "no_hit" and m is not None:
             m.fallbacks.labels(fallback).inc()
 
-    def _count_given_up(self, left: ReplicaId, choice: Choice) -> None:
-        """A later turn that leaves ``left``: count the expected hit it gives up there."""
+    def _count_moves(
+        self, last: ReplicaId, left_before: ReplicaId | None, choice: Choice
+    ) -> None:
+        """A later turn whose previous turn ran on ``last``: if it leaves, the expected
+        hit it gives up there; if it goes back to ``left_before`` (the replica the
+        session moved away from earlier), what that replica still held."""
+        m = self._metrics
         chosen = choice.chosen
-        if chosen.replica == left or self._metrics is None:
+        if chosen.replica == last or m is None:
             return
-        home = next((s for s in choice.ordered if s.replica == left), None)
+        home = next((s for s in choice.ordered if s.replica == last), None)
         if home is not None and home.expected_cached_tokens > chosen.expected_cached_tokens:
-            self._metrics.moved_given_up_tokens.labels(left).inc(
+            m.moved_given_up_tokens.labels(last).inc(
                 home.expected_cached_tokens - chosen.expected_cached_tokens)
+        if chosen.replica == left_before:
+            m.came_back_turns.labels(chosen.replica).inc()
+            m.came_back_held_tokens.labels(chosen.replica).inc(chosen.predicted_cached_tokens)
 
     # ------------------------------------------------------------------ metrics
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:

@@ -372,6 +372,18 @@ class KvMetrics:
             "replica left.",
             ["replica"], registry=registry,
         )
+        self.came_back_turns = Counter(
+            "router_kv_came_back_turns_total",
+            "Later turns routed back to the replica their session had moved away from, by "
+            "that replica.",
+            ["replica"], registry=registry,
+        )
+        self.came_back_held_tokens = Counter(
+            "router_kv_came_back_held_tokens_total",
+            "Cached tokens predicted on the replica a session came back to (what it still "
+            "held of the conversation), by that replica.",
+            ["replica"], registry=registry,
+        )
         self.fallbacks = Counter(
             "router_kv_fallbacks_total",
             "Times the kv policy could not use the index, by cause (index_down, "
@@ -398,7 +410,8 @@ class KvMetrics:
             self.expected_cached_tokens, self.prompt_tokens, self.receipts,
             self.prediction_error, self.disagreements, self.session_turns, self.think_time,
             self.session_returns, self.prefix_breaks, self.prefix_break_lost_tokens,
-            self.moved_given_up_tokens, self.fallbacks, self.scrape_failures, self._state,
+            self.moved_given_up_tokens, self.came_back_turns, self.came_back_held_tokens,
+            self.fallbacks, self.scrape_failures, self._state,
         ):
             if collector is not None:
                 self.registry.unregister(collector)

@@ -380,3 +380,17 @@ async def test_a_move_counts_the_hit_it_gives_up(registry: RendererRegistry) -> 
     assert d2.replica != d1.replica and d2.reason == "kv_load"
     given_up = env.value("router_kv_moved_given_up_tokens_total", replica=d1.replica)
     assert held - 16 <= given_up <= held
+    # The next turn finds the new replica swamped too and goes back: the replica it had
+    # left still holds the second turn's prompt, which is what the counter records.
+    env.policy.record(t2, d2, Receipt(d2.replica, ok=True, prompt_tokens=800,
+                                      cached_tokens=0, completion_tokens=5))
+    env.clock.t += 60
+    t3 = req(chat("where is my cache", "on one replica", "and now?", "back", "again"),
+             session="s")
+    lease = env.load.lease(d2.replica, 200_000)
+    await lease.__aenter__()
+    d3 = await env.policy.route(t3, R)
+    lease.release()
+    assert d3.replica == d1.replica
+    assert env.value("router_kv_came_back_turns_total", replica=d1.replica) == 1
+    assert env.value("router_kv_came_back_held_tokens_total", replica=d1.replica) == held
