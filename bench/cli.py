@@ -69,8 +69,9 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
         help="show what KV-aware routing saves, on a simulated fleet (no GPU needed)",
         description="Start a simulated fleet and kvroute, drive a multi-turn workload with "
         "think time through each routing policy in turn, and print prefill computed, "
-        "cached share, TTFT p50/p90/p99, same-replica share and the oracle bound; "
-        "writes the table (table.txt), summary.json, results.jsonl and PNG plots to --out.",
+        "cached share (and its share of the cache bounds), TTFT p50/p90/p99, same-replica "
+        "share; writes the table (table.txt), summary.json, results.jsonl and PNG plots to "
+        "--out.",
     )
     p.add_argument("--out", type=Path, default=Path("kvroute-demo-out"),
                    help="output folder (default ./kvroute-demo-out)")
@@ -149,6 +150,25 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--out", type=Path, required=True, help="trace file to write")
     g.set_defaults(func=_bench_generate)
 
+    i = bsub.add_parser(
+        "import-trace",
+        help="convert a block-hash trace (aiperf / Dynamo / Mooncake JSONL) to a chat trace",
+        description="Each hash id becomes --block-tokens words (equal ids, equal words); "
+        "lengths scale by block-tokens / 512 and time by --time-compression (default the "
+        "same factor: prompt tokens per second preserved).  See bench/hashtrace.py.",
+    )
+    i.add_argument("hash_trace", type=Path, help="the block-hash JSONL file")
+    i.add_argument("--out", type=Path, required=True, help="chat trace (JSONL) to write")
+    i.add_argument("--block-tokens", type=int, default=64)
+    i.add_argument("--source-block-tokens", type=int, default=512)
+    i.add_argument("--time-compression", type=float, default=None)
+    i.add_argument("--start-s", type=float, default=0.0, help="window start (trace seconds)")
+    i.add_argument("--duration-s", type=float, default=None, help="window length")
+    i.add_argument("--tokenizer", type=Path, default=None,
+                   help="write words this tokenizer encodes as one token each (exact "
+                   "lengths; default: common English words, about one token each)")
+    i.set_defaults(func=_bench_import)
+
     r = bsub.add_parser("run", help="replay a trace against an OpenAI-compatible URL",
                         description="Replay a trace (or a generated workload) open-loop "
                         "against any OpenAI-compatible endpoint and print the summary table.")
@@ -163,7 +183,7 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
     c = bsub.add_parser(
         "compare",
-        help="compare policies (and peer routers) on a simulated fleet, with the oracle",
+        help="compare policies (and peer routers) on a simulated fleet, with the cache bounds",
         description="Each target gets the same trace on the same simulated fleet with "
         "emptied caches.  Peer routers (--peer) run only inside a loopback-only network "
         "namespace (this command re-executes itself inside one; needs root and `ip`).",
@@ -296,6 +316,29 @@ def _bench_generate(args: argparse.Namespace) -> int:
     trace = _load_or_generate(args)
     save(trace, args.out)
     print(json.dumps({"trace": str(args.out), **summarize(trace)}, indent=2))
+    return 0
+
+
+def _bench_import(args: argparse.Namespace) -> int:
+    from bench.hashtrace import (
+        HashScale,
+        import_records,
+        load_hash_trace,
+        single_token_words,
+        to_trace,
+    )
+    from bench.trace import save
+    from bench.workload import WORDS, summarize
+
+    scale = HashScale(block_tokens=args.block_tokens,
+                      source_block_tokens=args.source_block_tokens,
+                      time_compression=args.time_compression, start_s=args.start_s,
+                      duration_s=args.duration_s)
+    words = single_token_words(args.tokenizer) if args.tokenizer else list(WORDS)
+    trace = to_trace(import_records(load_hash_trace(args.hash_trace), scale), scale, words)
+    save(trace, args.out)
+    print(json.dumps({"trace": str(args.out), "time_compression": scale.compression,
+                      **summarize(trace)}, indent=2))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The same trace against several routing targets on one simulated fleet, plus the oracle.
+"""The same trace against several routing targets on one simulated fleet, plus the bounds.
 
 A target is a kvroute policy (a fresh ``kvroute serve --policy NAME`` in front of the
 fleet, and the ``X-KVRoute-Policy`` header on every request), or a peer router started
@@ -6,10 +6,11 @@ from a command line (``PeerSpec``), or ``direct`` (the first replica alone, no r
 Before each target every replica's prefix cache is emptied (``POST
 /reset_prefix_cache``) and the router is new, so every target starts from equal caches.
 
-The oracle (``bench.oracle``) needs the exact token ids the replicas hash: they come from
-the replica's own ``POST /tokenize`` for each turn's messages (the trace's fixed replies
-make these the prompts every target sends; with ``replies="actual"`` the oracle still
-uses the trace's replies, so it is then an estimate).
+The cache bounds (``bench.bounds``) need the exact token ids the replicas hash: they come
+from the replica's own ``POST /tokenize`` for each turn's messages (the trace's fixed
+replies make these the prompts every target sends; with ``replies="actual"`` the bounds
+still use the trace's replies, so they are then estimates).  Requests are taken in the
+trace's nominal order.
 
 Peer routers: sglang-router tries to download a tokenizer for the model a replica reports,
 and nothing may leave the machine, so peers run only inside a loopback-only network
@@ -29,8 +30,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.bounds import CacheRequest
 from bench.fleet import Fleet, FleetError, free_port
-from bench.oracle import OracleRequest
 from bench.runner import ProgressFn, RequestResult, RunConfig, Runner
 from bench.trace import TraceRequest, by_session, conversation
 
@@ -95,15 +96,16 @@ class TargetRun:
 async def tokenize_trace(
     url: str, trace: Sequence[TraceRequest], *, model: str, max_tokens_cap: int | None = None,
     concurrency: int = 8,
-) -> list[OracleRequest]:
+) -> list[CacheRequest]:
     """The trace's prompts as token ids (from the replica's ``/tokenize``), in trace order,
-    for ``bench.oracle``."""
+    for ``bench.bounds``.  A prompt the replica refuses as too long (HTTP 400) is left
+    out: every target's request for it fails the same way."""
     jobs: list[tuple[TraceRequest, list[dict[str, Any]]]] = []
     for turns in by_session(trace).values():
         jobs.extend(zip(turns, conversation(turns), strict=True))
     order = {(r.session, r.turn): i for i, r in enumerate(sorted(
         trace, key=lambda r: (r.at, r.session, r.turn)))}
-    out: list[OracleRequest | None] = [None] * len(jobs)
+    out: list[CacheRequest | None] = [None] * len(jobs)
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=60.0)
 
@@ -112,12 +114,14 @@ async def tokenize_trace(
         body = {"model": turn.model or model, "messages": messages,
                 "add_generation_prompt": True}
         async with sem, http.post(url.rstrip("/") + "/tokenize", json=body) as resp:
+            if resp.status == 400 and "context length" in await resp.text():
+                return
             if resp.status != 200:
                 raise FleetError(f"/tokenize failed (HTTP {resp.status}): "
                                  f"{(await resp.text())[:200]}")
             tokens = (await resp.json())["tokens"]
         gen = min(turn.max_tokens, max_tokens_cap or turn.max_tokens)
-        out[order[(turn.session, turn.turn)]] = OracleRequest(tokens, gen, turn.cache_salt)
+        out[order[(turn.session, turn.turn)]] = CacheRequest(tokens, gen, turn.cache_salt)
 
     async with aiohttp.ClientSession(timeout=timeout) as http, asyncio.TaskGroup() as tg:
         for turn, messages in jobs:
@@ -234,8 +238,8 @@ async def run_compare(
     from pathlib import Path
 
     from bench import plots, report
+    from bench.bounds import cache_bounds
     from bench.fleet import FleetSpec, build_tokenizer_dir
-    from bench.oracle import oracle_bound
     from bench.trace import load, save
     from bench.workload import generate, measure_tokens_per_word
 
@@ -248,6 +252,11 @@ async def run_compare(
     policies = [p for p in args.policies.split(",") if p]
     targets = [Target(p, policy=p) for p in policies] + [Target(p.name, peer=p) for p in peers]
     scale = args.time_scale or 0.1
+    if scale != 1.0:
+        say(f"note: time scale {scale:g}: the replicas run {1 / scale:g}x faster than the "
+            "routers' wall clocks (provisional TTL, placement decay, eviction horizon), so "
+            "routing judgements see stretched time; pass --time-scale 1 for figures that "
+            "do not depend on it (or use `kvroute replay`)")
     run_cfg = RunConfig(url="", model="kvroute-bench", time_scale=scale, replies=args.replies,
                         stream=not args.no_stream, max_tokens_cap=args.max_tokens,
                         sim_timing=True)
@@ -269,22 +278,22 @@ async def run_compare(
             async with Fleet(spec) as fleet:
                 reqs = await tokenize_trace(fleet.replica_urls[0], trace, model=spec.model,
                                             max_tokens_cap=args.max_tokens)
-                oracle = oracle_bound(reqs, block_size=args.block_size, replicas=replicas,
-                                      blocks_per_replica=num_blocks - 1, model=spec.model)
+                bounds = cache_bounds(reqs, block_size=args.block_size,
+                                      capacity=replicas * (num_blocks - 1), model=spec.model)
                 runs = await run_targets(fleet, targets, trace, run_cfg,
                                          progress_bars(not args.no_progress, len(trace)))
             summaries = [report.summarize(r.target.name, r.results, time_scale=scale,
-                                          oracle=oracle, wall_s=round(r.wall_s, 2))
+                                          bounds=bounds, wall_s=round(r.wall_s, 2))
                          for r in runs if r.error is None]
             skipped = [f"skipped {r.target.name}: {r.error}" for r in runs if r.error]
-            texts.append("\n".join(filter(None, [label, report.format_table(summaries, oracle),
+            texts.append("\n".join(filter(None, [label, report.format_table(summaries, bounds),
                                                   *skipped])))
             for s in summaries:
                 points.append({"axis": axis, "value": value, "policy": s.name,
-                               "cached_share": s.cached_share, "of_oracle": s.of_oracle,
+                               "cached_share": s.cached_share,
                                "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
                                "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
-                               "oracle_share": oracle.oracle_share, **s.to_json()})
+                               "bounds": bounds.shares(), **s.to_json()})
             if axis == "none":
                 by_name = {r.target.name: r.results for r in runs if r.error is None}
                 plots.ttft_distribution(by_name, out / "ttft-distribution.png",

@@ -10,7 +10,7 @@ Steps (all children of this process, all stopped at the end, on errors and on Ct
    replays minutes of traffic in seconds.
 4. For each policy: empty the replicas' caches, start ``kvroute serve --policy P`` (the
    in-memory index, fed by the replicas' KV events), replay the trace open loop.
-5. Compute the oracle bound from the replicas' own tokenisation of the trace.
+5. Compute the cache bounds from the replicas' own tokenisation of the trace.
 6. Print the table; write it to ``table.txt``, and ``summary.json``, ``results.jsonl``,
    ``trace.jsonl`` and the plots ``ttft-distribution.png`` and ``ttft-by-turn.png``, in
    the output folder.
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots, report
+from bench.bounds import Bounds, cache_bounds
 from bench.compare import POLICIES, Target, TargetRun, progress_bars, run_targets, tokenize_trace
 from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
-from bench.oracle import OracleResult, oracle_bound
 from bench.runner import RunConfig
 from bench.trace import TraceRequest, save
 from bench.workload import Dist, ThinkTime, WorkloadSpec, measure_tokens_per_word, preset
@@ -117,7 +117,7 @@ class DemoResult:
 
     table: str
     summaries: list[report.RunSummary]
-    oracle: OracleResult | None
+    bounds: Bounds | None
     files: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -147,22 +147,22 @@ async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> Dem
                      max_tokens_cap=opts.max_tokens, sim_timing=True)
     targets = [Target(p, policy=p) for p in opts.policies]
     async with Fleet(fleet_spec) as fleet:
-        oracle_reqs = await tokenize_trace(fleet.replica_urls[0], trace,
-                                           model=fleet_spec.model,
-                                           max_tokens_cap=opts.max_tokens)
-        oracle = oracle_bound(oracle_reqs, block_size=opts.block_size,
-                              replicas=opts.replicas, blocks_per_replica=opts.num_blocks - 1,
+        bound_reqs = await tokenize_trace(fleet.replica_urls[0], trace,
+                                          model=fleet_spec.model,
+                                          max_tokens_cap=opts.max_tokens)
+        bounds = cache_bounds(bound_reqs, block_size=opts.block_size,
+                              capacity=opts.replicas * (opts.num_blocks - 1),
                               model=fleet_spec.model)
         runs = await run_targets(fleet, targets, trace, base,
                                  progress_bars(opts.progress, len(trace)))
-    return _finish(opts, trace, runs, oracle, tpw, t_start)
+    return _finish(opts, trace, runs, bounds, tpw, t_start)
 
 
 def _finish(
     opts: DemoOptions,
     trace: Sequence[TraceRequest],
     runs: Sequence[TargetRun],
-    oracle: OracleResult,
+    bounds: Bounds,
     tpw: float,
     t_start: float,
 ) -> DemoResult:
@@ -170,12 +170,12 @@ def _finish(
     done = [r for r in runs if r.error is None]
     skipped = {r.target.name: r.error or "" for r in runs if r.error is not None}
     summaries = [
-        report.summarize(r.target.name, r.results, time_scale=opts.time_scale, oracle=oracle,
+        report.summarize(r.target.name, r.results, time_scale=opts.time_scale, bounds=bounds,
                          wall_s=round(r.wall_s, 2))
         for r in done
     ]
-    table = report.format_table(summaries, oracle)
-    result = DemoResult(table, summaries, oracle, skipped=skipped)
+    table = report.format_table(summaries, bounds)
+    result = DemoResult(table, summaries, bounds, skipped=skipped)
     (out / "table.txt").write_text(table + "\n")
     result.files["table"] = str(out / "table.txt")
     with (out / "results.jsonl").open("w") as fh:
@@ -193,7 +193,7 @@ def _finish(
             plots.ttft_by_turn_plot(by_name, out / "ttft-by-turn.png",
                                     time_scale=opts.time_scale))
     result.wall_s = round(time.perf_counter() - t_start, 1)
-    doc = report.to_json(summaries, oracle, {
+    doc = report.to_json(summaries, bounds, {
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         "tokens_per_word": tpw,
         "requests": len(trace),
@@ -215,13 +215,12 @@ def render_result(result: DemoResult) -> str:
     lines = ["", result.table, ""]
     for name, why in result.skipped.items():
         lines.append(f"skipped {name}: {why}")
-    if result.oracle is not None:
-        o = result.oracle
+    if result.bounds is not None and result.bounds.prompt_tokens:
+        b = result.bounds.shares()
         lines.append(
-            f"oracle: a perfectly informed router on the same caches serves "
-            f"{o.oracle_share:.0%} of prompt tokens from cache (pooled fleet "
-            f"{o.pooled_saved / o.prompt_tokens:.0%}, infinite cache "
-            f"{o.unbounded_saved / o.prompt_tokens:.0%})" if o.prompt_tokens else "")
+            f"bounds: one cache of the fleet's size serves {b['pooled_lru']:.0%} of prompt "
+            f"tokens from cache with LRU, at most {b['pooled_optimal']:.0%} with optimal "
+            f"replacement; an infinite cache {b['unbounded']:.0%}")
     for key, path in result.files.items():
         lines.append(f"{key}: {path}")
     lines.append(f"done in {result.wall_s:.0f} s")

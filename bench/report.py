@@ -1,4 +1,4 @@
-"""Summaries of benchmark runs: one row per policy (or endpoint), plus the oracle.
+"""Summaries of benchmark runs: one row per policy (or endpoint), plus the cache bounds.
 
 Figures per run (definitions, so the table can be read without the code):
 
@@ -6,8 +6,10 @@ Figures per run (definitions, so the table can be read without the code):
 * ``computed_tokens``: prefill tokens actually computed, ``prompt - cached``.
 * ``cached_share``: ``cached / prompt``, with ``cached`` the engine's
   ``usage.prompt_tokens_details.cached_tokens``.
-* ``of_oracle``: ``cached / oracle_saved`` (``bench.oracle``), the share of what a perfectly
-  informed router could have served from the same caches.
+* ``of_pooled_lru``, ``of_optimal``, ``of_unbounded``: ``cached`` as a share of each cache
+  bound (``bench.bounds``): one LRU cache of the fleet's total size, the same with
+  optimal replacement that knows the future (an upper bound for any routing), and an
+  infinite cache.
 * ``ttft_p50/p90/p99``: time to first token in simulated seconds when the replicas report
   it (``usage.kvroute_sim.ttft_s``), else wall-clock TTFT divided by the time scale
   (``ttft_source`` says which).
@@ -24,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.oracle import OracleResult
+from bench.bounds import Bounds
 from bench.runner import RequestResult
 
 
@@ -58,7 +60,9 @@ class RunSummary:
     cached_tokens: int
     computed_tokens: int
     cached_share: float
-    of_oracle: float | None
+    of_pooled_lru: float | None
+    of_optimal: float | None
+    of_unbounded: float | None
     ttft_p50: float | None
     ttft_p90: float | None
     ttft_p99: float | None
@@ -94,7 +98,7 @@ def summarize(
     results: Sequence[RequestResult],
     *,
     time_scale: float,
-    oracle: OracleResult | None = None,
+    bounds: Bounds | None = None,
     wall_s: float | None = None,
 ) -> RunSummary:
     """The figures of one run."""
@@ -103,6 +107,7 @@ def summarize(
     cached = sum(r.cached_tokens or 0 for r in ok)
     ttfts = [t for r in ok if (t := ttft_of(r, time_scale)) is not None]
     sim = any(r.sim_ttft_s is not None for r in ok)
+    shares = bounds.share(cached) if bounds is not None else {}
     spread: dict[str, int] = {}
     for r in ok:
         if r.replica is not None:
@@ -115,7 +120,9 @@ def summarize(
         cached_tokens=cached,
         computed_tokens=prompt - cached,
         cached_share=cached / prompt if prompt else 0.0,
-        of_oracle=cached / oracle.oracle_saved if oracle and oracle.oracle_saved else None,
+        of_pooled_lru=shares.get("of_pooled_lru"),
+        of_optimal=shares.get("of_optimal"),
+        of_unbounded=shares.get("of_unbounded"),
         ttft_p50=percentile(ttfts, 50),
         ttft_p90=percentile(ttfts, 90),
         ttft_p99=percentile(ttfts, 99),
@@ -155,22 +162,25 @@ def _fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def format_table(runs: Sequence[RunSummary], oracle: OracleResult | None = None) -> str:
-    """The comparison table, one row per run, then the oracle."""
-    cols = ["policy", "prefill computed", "cached", "of oracle", "TTFT p50", "p90", "p99",
-            "same replica", "errors"]
+def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> str:
+    """The comparison table, one row per run, then one per cache bound."""
+    cols = ["policy", "prefill computed", "cached", "of LRU", "of OPT", "of inf", "TTFT p50",
+            "p90", "p99", "same replica", "errors"]
     rows: list[list[str]] = []
     for s in runs:
         rows.append([
-            s.name, f"{s.computed_tokens:,}", _fmt_pct(s.cached_share), _fmt_pct(s.of_oracle),
+            s.name, f"{s.computed_tokens:,}", _fmt_pct(s.cached_share),
+            _fmt_pct(s.of_pooled_lru), _fmt_pct(s.of_optimal), _fmt_pct(s.of_unbounded),
             _fmt_s(s.ttft_p50), _fmt_s(s.ttft_p90), _fmt_s(s.ttft_p99),
             _fmt_pct(s.stay_share), str(s.errors),
         ])
-    if oracle is not None:
-        rows.append([
-            "oracle", f"{oracle.prompt_tokens - oracle.oracle_saved:,}",
-            _fmt_pct(oracle.oracle_share), "100%", "-", "-", "-", "-", "-",
-        ])
+    if bounds is not None:
+        for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
+                            ("pooled optimal", bounds.pooled_optimal_saved),
+                            ("unbounded", bounds.unbounded_saved)):
+            share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
+            rows.append([f"bound: {name}", f"{bounds.prompt_tokens - saved:,}",
+                         _fmt_pct(share)] + ["-"] * (len(cols) - 3))
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
 
@@ -186,13 +196,13 @@ def format_table(runs: Sequence[RunSummary], oracle: OracleResult | None = None)
 
 def to_json(
     runs: Sequence[RunSummary],
-    oracle: OracleResult | None,
+    bounds: Bounds | None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of a comparison."""
     doc: dict[str, Any] = {"runs": [r.to_json() for r in runs]}
-    if oracle is not None:
-        doc["oracle"] = {**asdict(oracle), "oracle_share": oracle.oracle_share}
+    if bounds is not None:
+        doc["bounds"] = {**asdict(bounds), **bounds.shares()}
     if extra:
         doc.update(extra)
     return doc

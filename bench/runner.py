@@ -11,7 +11,7 @@ Replies (``RunConfig.replies``):
 
 * ``"trace"`` (default): the next turn's history carries the trace's fixed reply.  Every
   policy, endpoint and run then sends byte-identical prompts, so results compare
-  exactly and the oracle can be computed from the trace alone.  The simulated replica
+  exactly and the cache bounds can be computed from the trace alone.  The simulated replica
   samples random tokens whose text does not re-encode to the same ids, so the real reply
   would not be reused from cache either.
 * ``"actual"``: the history carries the text the endpoint returned, as a chat

@@ -59,6 +59,9 @@ _WORDS: tuple[str, ...] = tuple(dict.fromkeys(
     warm wide wild wise""".split()
 ))
 
+WORDS: tuple[str, ...] = _WORDS
+"""The vocabulary of generated text (also what imported block-hash traces are written in)."""
+
 PRESETS: tuple[str, ...] = ("main", "small", "shared", "unique")
 """Names accepted by ``preset``."""
 

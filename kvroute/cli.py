@@ -2,8 +2,8 @@
 
 Each layer registers its own subcommands, so this module is the only place that knows
 them all (``router``: serve, indexer; ``replica``: sim, replica; ``bench``: demo, bench,
-check-prompts, probe-horizon).  Handlers import their heavy dependencies lazily so that
-``kvroute --help`` stays fast.
+check-prompts, probe-horizon; ``kvroute.replay``: replay).  Handlers import their heavy
+dependencies lazily so that ``kvroute --help`` stays fast.
 
 What every subcommand shares is set here, after the layers registered theirs:
 
@@ -30,6 +30,7 @@ import bench.cli
 import replica.cli
 import router.cli
 from kvroute import __version__
+from kvroute.replay import cli as replay_cli
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 """``--log-level``'s choices in every subcommand (case-insensitive)."""
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.cli.register(sub)
     replica.cli.register(sub)
     bench.cli.register(sub)
+    replay_cli.register(sub)
     for leaf in leaf_parsers(parser):
         _add_log_level(leaf)
         leaf.set_defaults(**{_PARSER: leaf})

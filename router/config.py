@@ -347,6 +347,10 @@ class ScoringSettings(_Section):
     detection), its message digests and 512 for the entry (LRU eviction)."""
     detect_prefix_breaks: bool = True
     """Compare each session's new prompt with its previous one (explicit session keys)."""
+    price_moves: bool = True
+    """Charge moving a conversation off the replica holding its context what it costs
+    the fleet (recomputation delaying others on a busy target, displaced and stranded
+    cache; ``router.move_cost``), not just the request.  Off: the request's cost only."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)
     """A receipt disagrees largely when off by more than this many tokens ..."""
     receipt_large_rel: float = Field(default=0.1, ge=0)

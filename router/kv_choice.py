@@ -6,10 +6,16 @@ affinity does: the session's previous replica, else ring order, unless the pinne
 replica's load exceeds the least loaded's by ``balance_abs_tokens`` and ``balance_rel``x.
 
 Reasons (bounded label values): ``kv_hit`` (the chosen replica has the best expected
-hit), ``kv_load`` (load outweighed a better hit elsewhere), ``kv_new`` (no hit anywhere
-and every event source live: a new prefix, placed by load), ``affinity_no_hit`` (no
-useful hit while some event source is not live: the index may not know),
-``affinity_index_down``, ``affinity_no_prompt``, ``affinity_overload``.
+hit), ``kv_shared`` (it has, but every candidate holds as much: only a prefix every
+replica holds, such as a shared system prompt, was there to find), ``kv_load`` (load
+outweighed a better hit elsewhere), ``kv_new`` (no hit anywhere and every event source
+live: a new prefix, placed by load), ``affinity_no_hit`` (no useful hit while some event
+source is not live: the index may not know), ``affinity_index_down``,
+``affinity_no_prompt``, ``affinity_overload``.
+
+Hits are compared in whole blocks (expected cached tokens over the block size, rounded
+to the nearest block): an expected hit a rounding error below a block boundary (a trust
+just under one) neither flips the reason nor the ``min_hit_tokens`` fallback.
 
 Pure apart from the sampler, which is called only when a softmax draw is needed.
 """
@@ -64,13 +70,20 @@ def choose(
     sighted: bool,
     sticky: ReplicaId | None,
     sample: Callable[[], float],
+    block_size: int = 1,
 ) -> Choice:
     """Order ``ranked`` by score, or by affinity under a fallback (module docstring).
 
     ``sighted``: every candidate's event source is live, so a miss means a new prefix.
-    ``sticky``: the session's previous replica, preferred under affinity."""
-    best_expected = max(s.expected_cached_tokens for s in ranked)
-    no_hit = fallback is None and best_expected < rules.min_hit_tokens
+    ``sticky``: the session's previous replica, preferred under affinity.
+    ``block_size``: the unit hits are compared in."""
+    unit = max(1, block_size)
+
+    def blocks(s: ReplicaScore) -> int:
+        return round(s.expected_cached_tokens / unit)
+
+    best = max(blocks(s) for s in ranked)
+    no_hit = fallback is None and best < -(-rules.min_hit_tokens // unit)
     if no_hit and not sighted:
         # The index may just not know: keep sessions where the ring pins them.
         fallback = "no_hit"
@@ -80,12 +93,15 @@ def choose(
         return Choice(ordered, reason, fallback)
     u = sample() if rules.temperature > 0 else 0.0
     ordered = pick(ranked, preference=preference, temperature=rules.temperature, u=u)
+    chosen = blocks(ordered[0])
     if no_hit:
         reason = "kv_new"
-    elif ordered[0].expected_cached_tokens >= best_expected:
-        reason = "kv_hit"
-    else:
+    elif chosen < best:
         reason = "kv_load"
+    elif all(blocks(s) >= chosen for s in ranked):
+        reason = "kv_shared"
+    else:
+        reason = "kv_hit"
     return Choice(ordered, reason, None)
 
 

@@ -30,6 +30,11 @@ Algorithm, per request (``KvPolicy.decide``, a pipeline of the parts below):
    a second replica also holds (a popular prefix) count as hot.  ``placements`` (new
    conversations only) is the decaying count of new conversations recently placed on
    the replica: future load the queue does not show yet under paced traffic.
+   For a later turn, each replica that holds less of the conversation than its previous
+   replica is charged what the move costs the fleet beyond the request
+   (``router.move_cost``: the recomputation delaying others on a busy target, the cache
+   it displaces there and strands at the origin), so a turn leaves only when the queue
+   it avoids is worth more (``scoring.price_moves``).
 5. **Pick** (``router.kv_choice``): the best score; exact ties go by the request's
    consistent-hash ring order, so equal replicas (all holding a shared system prompt,
    no load) still spread new conversations.  A popular prefix whose holder is
@@ -82,6 +87,7 @@ from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose
 from router.load import LoadTracker
 from router.metrics import KvMetrics
+from router.move_cost import FleetState, busy_share, price_moves
 from router.policy import Decision, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
@@ -123,6 +129,8 @@ class KvConfig:
     detect_prefix_breaks: bool = True
     receipt_large_abs_tokens: int = 64
     receipt_large_rel: float = 0.1
+    price_moves: bool = True
+    """Charge a later turn's move what it costs the fleet (``router.move_cost``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,16 +278,24 @@ class KvPolicy:
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
+        if previous is not None and self.config.price_moves:
+            ranked, _ = price_moves(ranked, previous.replica,
+                                    self._fleet_states(candidates, block_size),
+                                    self.config.weights.alpha)
         choice = choose(
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
             sticky=previous.replica if previous is not None else None,
-            sample=self._rng.random,
+            sample=self._rng.random, block_size=block_size,
         )
         t_score = time.perf_counter()
         decision = self._decision(prompt, akey, found, choice, dry_run=not commit)
         if commit:
+            # Read before the turn is recorded (the table updates the state in place).
+            moves = (previous.replica, previous.left) if previous is not None else None
             self._commit(request, decision, choice, prompt, akey, previous is None, now)
+            if moves is not None:
+                self._count_moves(*moves, choice)
         if self._metrics is not None:
             self._stage["render"].observe(t_render - t0)
             self._stage["lookup"].observe(t_lookup - t_render)
@@ -287,6 +303,15 @@ class KvPolicy:
             self._route_hist.observe(time.perf_counter() - t0)
         _log_decision(request, decision, choice, n_tokens)
         return decision
+
+    def _fleet_states(
+        self, candidates: Sequence[ReplicaId], block_size: int
+    ) -> dict[ReplicaId, FleetState]:
+        """Busy and reuse shares per candidate, for pricing moves (``router.move_cost``)."""
+        rate = self.config.costs.prefill_tokens_per_s
+        return {r: FleetState(busy=busy_share(self.horizon.allocation_rate(r), block_size, rate),
+                              reuse=self.tracker.reuse_share(r))
+                for r in candidates}
 
     async def _render(
         self, request: RouteRequest, candidates: Sequence[ReplicaId]
@@ -393,6 +418,24 @@ class KvPolicy:
         fallback = choice.fallback
         if fallback is not None and fallback != "no_hit" and m is not None:
             m.fallbacks.labels(fallback).inc()
+
+    def _count_moves(
+        self, last: ReplicaId, left_before: ReplicaId | None, choice: Choice
+    ) -> None:
+        """A later turn whose previous turn ran on ``last``: if it leaves, the expected
+        hit it gives up there; if it goes back to ``left_before`` (the replica the
+        session moved away from earlier), what that replica still held."""
+        m = self._metrics
+        chosen = choice.chosen
+        if chosen.replica == last or m is None:
+            return
+        home = next((s for s in choice.ordered if s.replica == last), None)
+        if home is not None and home.expected_cached_tokens > chosen.expected_cached_tokens:
+            m.moved_given_up_tokens.labels(last).inc(
+                home.expected_cached_tokens - chosen.expected_cached_tokens)
+        if chosen.replica == left_before:
+            m.came_back_turns.labels(chosen.replica).inc()
+            m.came_back_held_tokens.labels(chosen.replica).inc(chosen.predicted_cached_tokens)
 
     # ------------------------------------------------------------------ metrics
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:

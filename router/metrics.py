@@ -419,6 +419,25 @@ class KvMetrics:
             "Tokens of previous prompts invalidated by prefix breaks.",
             registry=registry,
         )
+        self.moved_given_up_tokens = Counter(
+            "router_kv_moved_given_up_tokens_total",
+            "Expected cached tokens a later turn gave up by leaving the replica of its "
+            "previous turn (that replica's expected hit minus the chosen one's), by the "
+            "replica left.",
+            ["replica"], registry=registry,
+        )
+        self.came_back_turns = Counter(
+            "router_kv_came_back_turns_total",
+            "Later turns routed back to the replica their session had moved away from, by "
+            "that replica.",
+            ["replica"], registry=registry,
+        )
+        self.came_back_held_tokens = Counter(
+            "router_kv_came_back_held_tokens_total",
+            "Cached tokens predicted on the replica a session came back to (what it still "
+            "held of the conversation), by that replica.",
+            ["replica"], registry=registry,
+        )
         self.fallbacks = Counter(
             "router_kv_fallbacks_total",
             "Times the kv policy could not use the index, by cause (index_down, "
@@ -445,6 +464,7 @@ class KvMetrics:
             self.expected_cached_tokens, self.prompt_tokens, self.receipts,
             self.prediction_error, self.disagreements, self.session_turns, self.think_time,
             self.session_returns, self.prefix_breaks, self.prefix_break_lost_tokens,
+            self.moved_given_up_tokens, self.came_back_turns, self.came_back_held_tokens,
             self.fallbacks, self.scrape_failures, self._state,
         ):
             if collector is not None:

@@ -42,6 +42,8 @@ class SessionState:
     """The replica's free blocks when the turn finished."""
     blocks_mark: int | None = None
     """The blocks the turn released when it finished (prompt and output)."""
+    left: ReplicaId | None = None
+    """The replica the session last moved away from, if it ever moved."""
 
 
 ENTRY_BYTES = 512
@@ -90,8 +92,10 @@ class SessionTable:
         if old is not None:
             previous = SessionState(
                 old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns,
-                old.alloc_mark, old.free_mark, old.blocks_mark,
+                old.alloc_mark, old.free_mark, old.blocks_mark, old.left,
             )
+            if replica != old.replica:
+                old.left = old.replica
             self._bytes -= _size(old)
             old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
             old.finished_at = None

@@ -58,6 +58,8 @@ class SessionTracker:
     ) -> None:
         self.sessions = sessions
         self._horizon = horizon
+        self._returns: dict[ReplicaId, tuple[int, int]] = {}
+        """Per replica: returns within its eviction horizon, and all classified returns."""
         self._calibration = calibration
         self._metrics = metrics
         self._policy_name = policy_name
@@ -97,6 +99,13 @@ class SessionTracker:
             return 0.0
         return max(0.0, now - previous.finished_at) / horizon
 
+    def reuse_share(self, replica: ReplicaId) -> float | None:
+        """The chance that context cached on ``replica`` is reused before LRU evicts it:
+        the share of conversations that came back to it within its eviction horizon
+        (Laplace-smoothed); ``None`` before any return was classified."""
+        within, total = self._returns.get(replica, (0, 0))
+        return (within + 1) / (total + 2) if total else None
+
     # ------------------------------------------------------------------ turns
     def turn(
         self,
@@ -117,14 +126,18 @@ class SessionTracker:
         prev = self.sessions.turn(akey.key, replica, now, tokens, shape)
         if prev is None:
             return
+        if prev.finished_at is not None:
+            think = max(0.0, now - prev.finished_at)
+            outcome = classify_return(think, self._horizon.horizon_s(prev.replica, now))
+            if outcome != "unknown":
+                within, total = self._returns.get(prev.replica, (0, 0))
+                self._returns[prev.replica] = (within + (outcome == "within_horizon"), total + 1)
+            if m is not None:
+                m.think_time.observe(think)
+                m.session_returns.labels(prev.replica, outcome).inc()
         if m is not None:
             m.session_turns.labels(self._policy_name, "same_replica" if prev.replica == replica
                                    else "moved").inc()
-            if prev.finished_at is not None:
-                think = max(0.0, now - prev.finished_at)
-                m.think_time.observe(think)
-                outcome = classify_return(think, self._horizon.horizon_s(prev.replica, now))
-                m.session_returns.labels(prev.replica, outcome).inc()
         if track and prev.tokens and prev.shape is not None and shape is not None:
             br = detect_break(prev.tokens, prev.shape, tokens, shape)
             if br is not None:

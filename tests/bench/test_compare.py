@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bench.bounds import Bounds
 from bench.compare import PeerSpec, parse_sweep, scale_think
-from bench.oracle import OracleResult
 from bench.report import format_table, percentile, stay_share, summarize
 from bench.runner import RequestResult
 from bench.workload import generate, preset
@@ -52,15 +52,16 @@ def test_summary_figures() -> None:
         res("a", 3, "r2", 300, 0, 2.0), res("b", 1, "r2", 100, 0, 1.0),
         res("b", 2, "r2", 200, 96, 0.4), res("b", 3, "r2", 300, 192, 0.3, ok=False),
     ]
-    oracle = OracleResult(prompt_tokens=1200, oracle_saved=384, pooled_saved=384,
-                          unbounded_saved=400)
-    s = summarize("p", results, time_scale=0.1, oracle=oracle)
+    bounds = Bounds(prompt_tokens=1200, pooled_lru_saved=384, pooled_optimal_saved=480,
+                    unbounded_saved=640)
+    s = summarize("p", results, time_scale=0.1, bounds=bounds)
     assert (s.requests, s.errors, s.prompt_tokens, s.cached_tokens) == (6, 1, 900, 192)
-    assert s.computed_tokens == 708 and s.of_oracle == pytest.approx(0.5)
+    assert s.computed_tokens == 708 and s.of_pooled_lru == pytest.approx(0.5)
+    assert s.of_optimal == pytest.approx(0.4) and s.of_unbounded == pytest.approx(0.3)
     assert s.ttft_source == "simulated" and s.ttft_p50 == pytest.approx(0.1)
     assert s.stay_share == pytest.approx(2 / 3)  # a1->a2 stays, a2->a3 moves, b1->b2 stays
     assert s.spread == {"r1": 2, "r2": 3}
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
     assert stay_share([]) is None
-    table = format_table([s], oracle)
-    assert "oracle" in table and "50%" in table
+    table = format_table([s], bounds)
+    assert "bound: pooled optimal" in table and "40%" in table

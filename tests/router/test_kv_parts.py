@@ -73,6 +73,27 @@ def test_choose_reasons(
     assert {s.replica for s in choice.ordered} == {s.replica for s in ranked}
 
 
+def test_choose_compares_hits_in_whole_blocks() -> None:
+    # A shared 64-token prompt credited with a trust just under one: 63.9998 expected
+    # tokens are 4 blocks of 16, as many as min_hit_tokens asks for (no fallback), and
+    # every replica holds them: the label says so instead of kv_hit or kv_new.
+    ranked = [score(B, 63.9998, -10), score(A, 64.0, -11), score(C, 64.0, -12)]
+    for sighted in (True, False):
+        choice = choose(ranked, PREFERENCE, RULES, fallback=None, sighted=sighted,
+                        sticky=None, sample=never, block_size=16)
+        assert (choice.reason, choice.chosen.replica) == ("kv_shared", B)
+    # A hit a rounding error short of the best one is not a load decision either.
+    ranked = [score(B, 511.9999, -10), score(A, 512.0, -11), score(C, 0.0, -12)]
+    choice = choose(ranked, PREFERENCE, RULES, fallback=None, sighted=True, sticky=None,
+                    sample=never, block_size=16)
+    assert choice.reason == "kv_hit"
+    # Under one block's worth short of min_hit_tokens is still short of it.
+    ranked = [score(B, 47.9, -10), score(A, 0.0, -11)]
+    choice = choose(ranked, PREFERENCE, RULES, fallback=None, sighted=False, sticky=None,
+                    sample=never, block_size=16)
+    assert choice.reason == "affinity_no_hit"
+
+
 def test_choose_draws_only_when_sampling() -> None:
     draws: list[float] = []
 

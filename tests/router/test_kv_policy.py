@@ -123,7 +123,8 @@ async def test_shared_system_prompt_everywhere_spreads_new_conversations(
     placed: collections.Counter[ReplicaId] = collections.Counter()
     for u in range(40):  # paced: nothing in flight at decision time
         d = await env.policy.route(req(chat(f"user {u} asks something new")), R)
-        assert d.reason == "kv_hit" and (d.predicted_cached_tokens or 0) > 200
+        # Only the prefix every replica holds was there to find: its own label.
+        assert d.reason == "kv_shared" and (d.predicted_cached_tokens or 0) > 200
         placed[d.replica] += 1
         env.clock.t += 60  # provisional entries expire between users
     assert set(placed) == set(R) and max(placed.values()) <= 20, placed
@@ -357,3 +358,39 @@ async def test_the_pool_estimate_follows_the_policys_requests(
     # the session's turn remembers the pool ahead of its blocks and its run's size
     state = env.policy.sessions.get("pool")
     assert state is not None and (state.free_mark, state.blocks_mark) == (500, 22)
+
+
+async def test_a_move_counts_the_hit_it_gives_up(registry: RendererRegistry) -> None:
+    env = Env(registry)
+    t1 = req(chat("where is my cache"), session="s")
+    d1 = await env.policy.route(t1, R)
+    t2 = req(chat("where is my cache", "on one replica", "and now?"), session="s")
+    await env.hold(d1.replica, t2)  # the first turn's blocks, as its events reported
+    env.policy.record(t1, d1, Receipt(d1.replica, ok=True, prompt_tokens=500,
+                                      cached_tokens=0, completion_tokens=5))
+    env.clock.t += 60
+    held = (await env.policy.decide(t2, R, commit=False)).predicted_cached_tokens or 0
+    assert held > 200
+    # A queue on the session's replica far beyond what its context saves: the turn
+    # leaves, and the expected hit it left behind is counted for that replica.
+    lease = env.load.lease(d1.replica, 100_000)
+    await lease.__aenter__()
+    d2 = await env.policy.route(t2, R)
+    lease.release()
+    assert d2.replica != d1.replica and d2.reason == "kv_load"
+    given_up = env.value("router_kv_moved_given_up_tokens_total", replica=d1.replica)
+    assert held - 16 <= given_up <= held
+    # The next turn finds the new replica swamped too and goes back: the replica it had
+    # left still holds the second turn's prompt, which is what the counter records.
+    env.policy.record(t2, d2, Receipt(d2.replica, ok=True, prompt_tokens=800,
+                                      cached_tokens=0, completion_tokens=5))
+    env.clock.t += 60
+    t3 = req(chat("where is my cache", "on one replica", "and now?", "back", "again"),
+             session="s")
+    lease = env.load.lease(d2.replica, 200_000)
+    await lease.__aenter__()
+    d3 = await env.policy.route(t3, R)
+    lease.release()
+    assert d3.replica == d1.replica
+    assert env.value("router_kv_came_back_turns_total", replica=d1.replica) == 1
+    assert env.value("router_kv_came_back_held_tokens_total", replica=d1.replica) == held

@@ -1,0 +1,108 @@
+"""Figures of a replay run: cached share, simulated TTFT, moves, exact predictions, and
+the share of each cache bound (``bench.bounds``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench.bounds import Bounds, CacheRequest, cache_bounds
+from kvroute.replay.loop import ReplayConfig, Served
+from kvroute.replay.requests import ReplayRequest
+
+__all__ = ["RunFigures", "bounds_of", "figures", "format_table"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    """One policy's run, summarised."""
+
+    policy: str
+    requests: int
+    errors: int
+    prompt_tokens: int
+    cached_tokens: int
+    cached_share: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    later_turns: int
+    moved_share: float | None
+    """Later turns served on another replica than their previous turn."""
+    exact_share: float | None
+    """Later turns whose predicted cached tokens equal the reported ones (kv only)."""
+    of_pooled_lru: float | None = None
+    of_optimal: float | None = None
+    of_unbounded: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def bounds_of(
+    served: Sequence[Served], requests: Sequence[ReplayRequest], cfg: ReplayConfig
+) -> Bounds:
+    """The cache bounds over the requests served, in the order they arrived."""
+    by_key = {(r.session, r.turn): r for r in requests}
+    order = sorted((s for s in served if s.ok), key=lambda s: (s.arrival_s, s.session, s.turn))
+    reqs = [by_key[(s.session, s.turn)] for s in order]
+    return cache_bounds(
+        (CacheRequest(r.tokens, r.max_tokens, r.cache_salt) for r in reqs),
+        block_size=cfg.block_size, capacity=cfg.replicas * (cfg.num_blocks - 1),
+        model=cfg.model,
+    )
+
+
+def figures(policy: str, served: Sequence[Served], bounds: Bounds | None = None) -> RunFigures:
+    """Summarise one run (``bounds``: the denominators, if computed)."""
+    ok = [s for s in served if s.ok]
+    prompt = sum(s.prompt_tokens for s in ok)
+    cached = sum(s.cached_tokens for s in ok)
+    ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
+    later = [s for s in ok if s.previous_replica is not None]
+    moved = sum(1 for s in later if s.replica != s.previous_replica)
+    predicted = [s for s in later if s.predicted_cached_tokens is not None]
+    exact = sum(1 for s in predicted if s.predicted_cached_tokens == s.cached_tokens)
+    shares: dict[str, float | None] = bounds.share(cached) if bounds is not None else {}
+    return RunFigures(
+        policy=policy, requests=len(ok), errors=len(served) - len(ok), prompt_tokens=prompt,
+        cached_tokens=cached, cached_share=cached / prompt if prompt else 0.0,
+        ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99), later_turns=len(later),
+        moved_share=moved / len(later) if later else None,
+        exact_share=exact / len(predicted) if predicted else None,
+        of_pooled_lru=shares.get("of_pooled_lru"), of_optimal=shares.get("of_optimal"),
+        of_unbounded=shares.get("of_unbounded"),
+    )
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:,.0f} ms"
+
+
+def format_table(label: str, runs: Sequence[RunFigures], bounds: Bounds | None) -> str:
+    """A Markdown table, one row per policy, then the bounds (``bounds``: those of the
+    first run's arrival order; each run's shares use its own)."""
+    head = ["pool", "policy", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "TTFT p99",
+            "moved", "exact"]
+    rows = [head, ["---"] * len(head)]
+    for r in runs:
+        rows.append([label, r.policy, _p(r.cached_share), _p(r.of_pooled_lru), _p(r.of_optimal),
+                     _p(r.of_unbounded), _ms(r.ttft_p50_s), _ms(r.ttft_p99_s),
+                     _p(r.moved_share), _p(r.exact_share)])
+    if bounds is not None:
+        for name, share in bounds.shares().items():
+            rows.append([label, f"bound: {name}", _p(share)] + ["-"] * (len(head) - 3))
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)

@@ -1,0 +1,56 @@
+"""``kvroute bench import-trace`` then ``kvroute bench compare`` on the imported slice of
+the Mooncake trace: the commands the published comparison runs, at a tiny size (real
+``kvroute sim`` replicas and ``kvroute serve`` routers as child processes)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.hashtrace import single_token_words
+from bench.trace import load
+
+SLICE = Path(__file__).parent / "data" / "mooncake_conversation_head300.jsonl"
+
+
+def test_single_token_words_encode_to_one_token_each(llama3_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    words = single_token_words(llama3_dir, limit=300)
+    tok = Tokenizer.from_file(str(llama3_dir / "tokenizer.json"))
+    assert len(words) == 300
+    text = " " + " ".join(words)
+    assert len(tok.encode(text, add_special_tokens=False).ids) == len(words)
+
+
+@pytest.mark.slow
+def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> None:
+    out = tmp_path / "cmp"
+    shutil.copytree(llama3_dir, out / "tiny-model")
+    trace = tmp_path / "trace.jsonl"
+    kvroute = [sys.executable, "-m", "kvroute"]
+    done = subprocess.run(
+        [*kvroute, "bench", "import-trace", str(SLICE), "--out", str(trace),
+         "--duration-s", "8", "--tokenizer", str(out / "tiny-model")],
+        capture_output=True, text=True, timeout=120, check=True)
+    summary = json.loads(done.stdout)
+    assert summary["requests"] == len(load(trace)) > 10
+    done = subprocess.run(
+        [*kvroute, "bench", "compare", "--trace", str(trace), "--replicas", "2",
+         "--num-blocks", "1024", "--policies", "session,kv", "--max-tokens", "2",
+         "--time-scale", "1", "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "bound: pooled optimal" in done.stdout
+    points = json.loads((out / "compare.json").read_text())["points"]
+    assert {p["policy"] for p in points} == {"session", "kv"}
+    for p in points:
+        assert p["errors"] == 0 and p["requests"] == summary["requests"]
+        # Every request starts with the trace's shared first block: some of it is cached,
+        # and no run beats the optimal bound.
+        assert 0 < p["cached_share"] <= p["bounds"]["pooled_optimal"] + 1e-9
