@@ -36,9 +36,12 @@ async def run_server(app: Starlette, *, grace_s: int = 5) -> AsyncIterator[str]:
     """Serve ``app``; yields its base URL."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
+    # Idle keep-alive connections stay open for the test's length: with uvicorn's 5 s
+    # default, a loaded machine's pauses let the server close a pooled connection just as
+    # the client reuses it (a spurious ServerDisconnectedError on a POST).
     config = uvicorn.Config(app, http="httptools", lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=grace_s,
-                            server_header=False, date_header=False)
+                            timeout_keep_alive=120, server_header=False, date_header=False)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:
