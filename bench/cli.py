@@ -3,8 +3,8 @@
 * ``kvroute demo``: a simulated fleet, every policy in turn, the table and plots.
 * ``kvroute bench generate|run|compare``: workloads, replay against any endpoint, and
   policy (and peer router) comparisons on a simulated fleet, with sweeps.
-* ``kvroute check-prompts``: the append-only prompt checker.
-* ``kvroute probe-horizon``: the turn-2 eviction-horizon probe.
+* ``kvroute check-prompts``: the append-only prompt checker (``bench.check_prompts_cli``).
+* ``kvroute probe-horizon``: the turn-2 eviction-horizon probe (``bench.horizon_cli``).
 
 Handlers import their heavy dependencies lazily so ``kvroute --help`` stays fast.  Every
 handler runs its event loop with ``asyncio.run``, so Ctrl-C cancels the main task and the
@@ -14,16 +14,14 @@ fleet's ``async with`` stops every child process on the way out.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from bench import check_prompts_cli, horizon_cli
+from bench.asyncio_main import run_main as _run
 
 NETNS_ENV = "KVROUTE_BENCH_NETNS"
 """Set (to the namespace's name) when ``kvroute bench compare`` runs inside the
@@ -34,28 +32,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add this layer's subcommands to the ``kvroute`` parser."""
     _register_demo(sub)
     _register_bench(sub)
-    _register_check(sub)
-    _register_probe(sub)
-
-
-def _run(coro: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` that also turns SIGTERM into a cancellation (clean child shutdown);
-    either signal surfaces as ``KeyboardInterrupt`` once everything is stopped."""
-
-    async def main() -> T:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        if task is not None:
-            try:
-                loop.add_signal_handler(signal.SIGTERM, task.cancel)
-            except (NotImplementedError, RuntimeError):
-                pass
-        return await coro
-
-    try:
-        return asyncio.run(main())
-    except asyncio.CancelledError:  # SIGTERM: the main task was cancelled and cleaned up
-        raise KeyboardInterrupt from None
+    check_prompts_cli.register(sub)
+    horizon_cli.register(sub)
 
 
 # ---- demo ----------------------------------------------------------------------------
@@ -408,167 +386,3 @@ def _bench_soak(args: argparse.Namespace) -> int:
         return 130
     print(report.to_json())
     return 0 if passed(report) else 1
-
-
-# ---- check-prompts -------------------------------------------------------------------
-
-
-def _register_check(sub: argparse._SubParsersAction[Any]) -> None:
-    p = sub.add_parser(
-        "check-prompts",
-        help="check that each turn's prompt is an append-only extension of the previous",
-        description="Render transcripts (JSONL: a message list per line, or objects with "
-        "messages, session, tools, chat_template_kwargs, generated_token_ids) as the engine "
-        "would and report, per turn, tokens, shared prefix, reusable blocks and share of "
-        "the previous prompt; for turns under the threshold, the first differing token, "
-        "its message and a likely cause.",
-        epilog="exit status: 0 no turn flagged; 1 turns flagged (under --threshold), so it "
-        "can gate a CI job; 2 unreadable input (file, JSON line, tokenizer)",
-    )
-    p.add_argument("transcripts", type=Path, help="transcript JSONL")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokenizer", type=Path,
-                     help="model directory with tokenizer.json and a chat template")
-    src.add_argument("--url", help="render with a replica's /tokenize instead (vLLM or sim)")
-    p.add_argument("--model", default=None, help="model name for --url")
-    p.add_argument("--generated", type=Path, default=None,
-                   help="JSONL of {session, turn, token_ids}: the engine's generated ids")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="tokens per KV block, as the replicas'")
-    p.add_argument("--threshold", type=float, default=0.9,
-                   help="flag turns keeping less than this share (default 0.9)")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON report here")
-    p.add_argument("--json", action="store_true",
-                   help="print the JSON report instead of the table")
-    p.set_defaults(func=_check_prompts)
-
-
-def _check_prompts(args: argparse.Namespace) -> int:
-    from bench.chat_tokenizers import http_tokenizer, local_tokenizer
-    from bench.check_prompts import (
-        Checker,
-        TranscriptError,
-        format_table,
-        load_transcripts,
-        to_json,
-    )
-
-    try:
-        sessions = load_transcripts(args.transcripts, args.generated)
-    except TranscriptError as exc:
-        print(f"kvroute check-prompts: {exc}", file=sys.stderr)
-        return 2
-    if args.url:
-        tok = http_tokenizer(args.url, args.model)
-    else:
-        try:
-            tok = local_tokenizer(args.tokenizer)
-        except (OSError, ValueError, LookupError) as exc:
-            print(f"kvroute check-prompts: --tokenizer {args.tokenizer}: {exc} (a model "
-                  "directory with tokenizer.json and a chat template)", file=sys.stderr)
-            return 2
-    checker = Checker(tok, block_size=args.block_size, threshold=args.threshold)
-    reports = [checker.check_session(turns, name) for name, turns in sessions.items()]
-    doc = json.dumps(to_json(reports), indent=2) + "\n"
-    if args.json:
-        sys.stdout.write(doc)
-    else:
-        print(format_table(reports, args.block_size))
-    if args.out is not None:
-        args.out.write_text(doc)
-    return 1 if any(r.flagged for r in reports) else 0
-
-
-# ---- probe-horizon -------------------------------------------------------------------
-
-
-def _register_probe(sub: argparse._SubParsersAction[Any]) -> None:
-    p = sub.add_parser(
-        "probe-horizon",
-        help="find the pause after which a conversation's next turn misses the cache",
-        description="For each pause, send a two-turn conversation with a unique nonce, "
-        "wait, send turn 2, and report turn-2 TTFT and cached tokens; the pause at which "
-        "they jump is the eviction horizon.  --sim starts a simulated replica to probe "
-        "(with a time scale, the probe of minutes takes seconds).",
-    )
-    target = p.add_mutually_exclusive_group(required=True)
-    target.add_argument("--url", help="endpoint to probe (replica or router)")
-    target.add_argument("--sim", action="store_true",
-                        help="probe a simulated replica started for the purpose")
-    p.add_argument("--model", default=None, help="model name (required with --url)")
-    p.add_argument("--pauses", default="0,10,30,60,120", help="seconds, comma-separated")
-    p.add_argument("--repeats", type=int, default=3, help="probes per pause")
-    p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="turn-1 prompt size (default 1024; with --sim 512)")
-    p.add_argument("--time-scale", type=float, default=None,
-                   help="wall seconds per probe second (default 1; with --sim 0.05)")
-    p.add_argument("--background-rps", type=float, default=None,
-                   help="background requests per second of unique prompts (default 0; "
-                   "with --sim 1)")
-    p.add_argument("--background-tokens", type=int, default=512,
-                   help="prompt tokens of each background request")
-    p.add_argument("--warmup", type=float, default=None,
-                   help="seconds of background load before probing (default 0; with --sim 60)")
-    p.add_argument("--num-blocks", type=int, default=2048, help="--sim: KV blocks")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
-    p.add_argument("--json", action="store_true",
-                   help="print the JSON result instead of the table")
-    p.set_defaults(func=_probe)
-
-
-def _probe(args: argparse.Namespace) -> int:
-    from bench.horizon import ProbeConfig, Prober, format_table
-
-    pauses = tuple(float(x) for x in args.pauses.split(",") if x.strip())
-
-    async def go() -> Any:
-        if not args.sim:
-            if not args.model:
-                raise SystemExit("kvroute probe-horizon: --model is required with --url")
-            cfg = ProbeConfig(
-                url=args.url, model=args.model, pauses=pauses, repeats=args.repeats,
-                prompt_tokens=args.prompt_tokens or 1024, time_scale=args.time_scale or 1.0,
-                background_rps=args.background_rps or 0.0,
-                background_tokens=args.background_tokens, warmup_s=args.warmup or 0.0,
-            )
-            return await Prober(cfg).run()
-        return await _probe_sim(args, pauses)
-
-    try:
-        result = _run(go())
-    except KeyboardInterrupt:
-        print("kvroute probe-horizon: interrupted", file=sys.stderr)
-        return 130
-    doc = json.dumps(result.to_json(), indent=2) + "\n"
-    if args.json:
-        sys.stdout.write(doc)
-    else:
-        print(format_table(result))
-    if args.out is not None:
-        args.out.write_text(doc)
-    return 0
-
-
-async def _probe_sim(args: argparse.Namespace, pauses: tuple[float, ...]) -> Any:
-    import tempfile
-
-    from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
-    from bench.horizon import ProbeConfig, Prober
-    from bench.workload import measure_tokens_per_word
-
-    scale = args.time_scale or 0.05
-    with tempfile.TemporaryDirectory(prefix="kvroute-probe-") as tmp:
-        tok = await build_tokenizer_dir(Path(tmp) / "tiny-model")
-        tpw = await asyncio.to_thread(measure_tokens_per_word, tok)
-        spec = FleetSpec(tokenizer=tok, replicas=1, num_blocks=args.num_blocks,
-                         time_scale=scale, router=False, log_dir=Path(tmp) / "logs")
-        async with Fleet(spec) as fleet:
-            cfg = ProbeConfig(
-                url=fleet.url, model=spec.model, pauses=pauses, repeats=args.repeats,
-                prompt_tokens=args.prompt_tokens or 512, tokens_per_word=tpw, time_scale=scale,
-                sim_timing=True,
-                background_rps=1.0 if args.background_rps is None else args.background_rps,
-                background_tokens=args.background_tokens,
-                warmup_s=60.0 if args.warmup is None else args.warmup,
-            )
-            return await Prober(cfg).run()

@@ -9,16 +9,12 @@ Heavy imports (uvicorn, the app) happen inside the handler so ``kvroute --help``
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 from router import indexer_cli
 
 if TYPE_CHECKING:
-    import uvicorn
-    from starlette.applications import Starlette
-
     from router.config import RouterSettings
 
 _SERVE_EPILOG = """\
@@ -30,10 +26,6 @@ KVROUTE_REPLICAS='[{"url": "http://127.0.0.1:8000"}]'), then these flags.
 example:
   kvroute serve --port 8080 --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002
 """
-
-
-# Young-generation threshold of the cyclic collector in ``kvroute serve`` (default 700).
-_GC_YOUNG = 20_000
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -116,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             return run_workers(settings.model_dump(mode="json"), settings.host,
                                settings.port, args.workers, settings.timeouts.shutdown_grace_s)
         from router.listen import bind_socket
+        from router.serving import run_server
 
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
@@ -124,25 +117,6 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     return run_server(settings, sock)
-
-
-def run_server(settings: RouterSettings, sock: socket.socket, *, worker: int = 0) -> int:
-    """Serve the router app on ``sock`` until SIGINT/SIGTERM (graceful); 0 on a clean
-    run, 1 if it never started.  ``worker`` is the index under ``--workers``."""
-    import uvicorn
-
-    from router.app import create_app
-
-    config = _uvicorn_config(create_app(settings, worker=worker), settings)
-    if worker == 0:
-        _log_start(settings, sock.getsockname()[1])
-    server = uvicorn.Server(config)
-    _tune_gc()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0 if server.started else 1
 
 
 def check_model_files(settings: RouterSettings) -> None:
@@ -162,57 +136,3 @@ def check_model_files(settings: RouterSettings) -> None:
                 f"(model {model.name!r}: set it to a local directory with tokenizer.json or "
                 "a Hugging Face id in the local cache, or leave it out to render on the "
                 "replicas)") from exc
-
-
-def _log_start(settings: RouterSettings, port: int) -> None:
-    import logging
-
-    log = logging.getLogger("kvroute.serve")
-    log.info("listening on http://%s:%d (policy %s, index %s)", settings.host, port,
-             settings.policy, settings.index.backend)
-    for replica in settings.replicas:
-        log.info("replica %s: %s", replica.id, replica.url)
-
-
-def _uvicorn_config(app: Starlette, settings: RouterSettings) -> uvicorn.Config:
-    """The uvicorn configuration of ``kvroute serve`` (uvloop, guarded httptools)."""
-    import uvicorn
-
-    from router.conn_guard import guarded_protocol
-
-    return uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        # httptools, with timeouts and bounds on slow, idle and oversized clients.
-        http=guarded_protocol(settings.connections),  # also the keep-alive (idle) timeout
-        lifespan="on",
-        log_level=settings.log_level,
-        access_log=settings.access_log,
-        # X-Forwarded-* only change the client address uvicorn logs; the router reads
-        # neither, so without an access log the middleware is a layer per request for
-        # nothing.
-        proxy_headers=settings.access_log,
-        timeout_graceful_shutdown=int(settings.timeouts.shutdown_grace_s + 0.999),
-        server_header=False,
-        date_header=False,
-    )
-
-
-def _tune_gc() -> None:
-    """The cyclic collector's settings for a serving process (called once, before serving).
-
-    Everything imported so far lives as long as the process: ``gc.freeze()`` moves it out
-    of the collector's reach, so full collections under load do not rescan it (CPU and
-    p99).  A proxied request allocates a few hundred container objects and frees them all
-    (no cycles on the happy path), but 32-128 requests in flight keep the young
-    generation above the default 700 net allocations, so the collector ran about once
-    per request and rescanned the in-flight state (~5% of the router's CPU).  At
-    ``_GC_YOUNG`` it runs only when garbage really accumulates (a few MB at most).
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(_GC_YOUNG, *gc.get_threshold()[1:])

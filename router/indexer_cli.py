@@ -32,6 +32,7 @@ async def run_indexer(settings: RouterSettings, *, metrics_port: int = 0,
 
     from prometheus_client import CollectorRegistry
 
+    from router.index_metrics import IndexMetrics
     from router.kv_stack import open_kv_stack
 
     registry = CollectorRegistry()
@@ -40,14 +41,10 @@ async def run_indexer(settings: RouterSettings, *, metrics_port: int = 0,
     if main is not None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, main.cancel)
-    async with open_kv_stack(settings, registry, lease_ttl_s=lease_ttl_s) as stack:
-        ingestion = stack.ingestion
+    async with open_kv_stack(settings, IndexMetrics(registry), lease_ttl_s=lease_ttl_s) as stack:
         runner = None
         if metrics_port:
-            runner = await _serve_status(
-                registry, lambda: ingestion.statuses() if ingestion is not None else {},
-                metrics_port,
-            )
+            runner = await _serve_status(registry, stack.ingestion.statuses, metrics_port)
         try:
             await asyncio.Event().wait()  # until cancelled
         finally:

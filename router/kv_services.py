@@ -31,11 +31,11 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from index.event_applier import BatchResult
-from index.ingestion import LeaseSettings, SourceSpec
-from index.redis_store import RedisIndex
+from index.ingestion import SourceSpec
 from index.status import SourceStatus
 from index.store import KVIndex
 from kvkeys.types import ReplicaId
@@ -46,10 +46,10 @@ from prompt.remote_render import RemoteRenderer
 from router.block_size_check import BlockSizeCheck
 from router.config import ScoringSettings
 from router.horizon import HorizonEstimator, PoolSample
-from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
+from router.index_metrics import IndexMetrics
 from router.kv_members import MemberIngestion
 from router.kv_policy import KvConfig, KvPolicy
-from router.kv_stack import check_index, instrumented_index
+from router.kv_stack import Membership, open_kv_stack
 from router.metrics import RemoteRenderCollector
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
@@ -58,7 +58,6 @@ from router.render_worker import MemoBounds, RenderWorker
 from router.replica_registry import ReplicaRegistry
 from router.scoring import CostModel, ScoringWeights
 from router.scrape import MetricsScraper, ScrapeSample
-from router.series import forget_replica
 from router.session_policy import SessionPolicy
 
 __all__ = [
@@ -238,21 +237,32 @@ def _spec(ctx: PolicyContext, replica: ReplicaId) -> SourceSpec | None:
                       endpoint=r.kv_events_endpoint, replay_endpoint=r.replay_endpoint)
 
 
-def _follow_membership(ctx: PolicyContext, ingestion: MemberIngestion,
-                       index_metrics: IndexMetrics) -> None:  # fmt: skip
-    """Start ingesting joining replicas; stop, clear and forget leaving ones."""
+@dataclass(slots=True)
+class _Running:
+    """The ingestion and the scraper once started, as the renderers' hints read them."""
 
-    def on_change(change: str, replica: ReplicaId) -> None:
-        if ingestion.closed:  # shutting down
-            return
-        if change == "added":
-            spec = _spec(ctx, replica)
-            if spec is not None:
-                ingestion.add(spec)
-            return
-        ingestion.remove(replica, then=lambda: forget_replica([index_metrics], replica))
+    replicas: ReplicaRegistry
+    clock: Callable[[], float]
+    ingestion: MemberIngestion | None = None
+    scraper: MetricsScraper | None = None
 
-    ctx.replicas.on_membership(on_change)
+    def block_size_hint(self) -> int | None:
+        """The block size the replicas report (scrape first, then KV events)."""
+        now = self.clock()
+        scraper, ingestion = self.scraper, self.ingestion
+        for state in self.replicas.all():
+            sample = scraper.latest(state.id, now) if scraper is not None else None
+            if sample is not None and sample.block_size:
+                return sample.block_size
+            status = ingestion.status(state.id) if ingestion is not None else None
+            if status is not None and status.block_size:
+                return status.block_size
+        return None
+
+    def model_of(self, replica: ReplicaId) -> str | None:
+        ingestion = self.ingestion
+        source = ingestion.sources.get(replica) if ingestion is not None else None
+        return source.model if source is not None else None
 
 
 @asynccontextmanager
@@ -265,31 +275,68 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     remote_counters = RemoteRenderCollector(remote.stats)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
     index_metrics = IndexMetrics(ctx.metrics.registry)
-    index = instrumented_index(ctx.settings.index, index_metrics)
-    ingestion: MemberIngestion | None = None
-    scraper: MetricsScraper | None = None
+    running = _Running(ctx.replicas, ctx.clock)
+    sizes = _block_size_check(s, registry, running, index_metrics)
+    worker = _render_worker(s, memos)
+    prompts = _registry_prompts(ctx, registry, running, sizes, worker)
+    ctx.metrics.registry.register(remote_counters)
+    try:
+        async with open_kv_stack(
+            ctx.settings, index_metrics, tasks=ctx.tasks, http=ctx.http,
+            membership=Membership(lambda: ctx.replicas.ids, partial(_spec, ctx),
+                                  ctx.replicas.on_membership),
+            observers=(_HorizonObserver(horizon, ctx), sizes),
+            gauge_replicas=lambda: [ReplicaId(st.id) for st in ctx.replicas.all()],
+        ) as stack:  # fmt: skip
+            running.ingestion = stack.ingestion
+            if stack.specs and ctx.settings.policy == "kv":
+                await _await_live(stack.ingestion, stack.specs, s.startup_sync_s)
+            scraping = _start_scraper(ctx, horizon, running)
+            try:
+                yield KvServices(prompts, stack.index, horizon, running.scraper,
+                                 stack.ingestion)  # fmt: skip
+            finally:
+                if scraping is not None:  # stopped before the stack closes the index
+                    scraping.cancel()
+                    await asyncio.gather(scraping, return_exceptions=True)
+    finally:
+        try:
+            if worker is not None:
+                await worker.aclose()
+        finally:
+            ctx.metrics.registry.unregister(remote_counters)
 
-    def block_size_hint() -> int | None:
-        """The block size the replicas report (scrape first, then KV events)."""
-        now = ctx.clock()
-        for state in replicas.all():
-            sample = scraper.latest(state.id, now) if scraper is not None else None
-            if sample is not None and sample.block_size:
-                return sample.block_size
-            status = ingestion.status(state.id) if ingestion is not None else None
-            if status is not None and status.block_size:
-                return status.block_size
-        return None
 
-    def model_of(replica: ReplicaId) -> str | None:
-        source = ingestion.sources.get(replica) if ingestion is not None else None
-        return source.model if source is not None else None
+def _block_size_check(s: ScoringSettings, registry: RendererRegistry, running: _Running,
+                      metrics: IndexMetrics) -> BlockSizeCheck:  # fmt: skip
+    """Turns a model off when its replicas use another block size than configured."""
 
     def base_of(model: str) -> str | None:
         return registry.resolve(model).spec.name if model in registry else None
 
-    sizes = BlockSizeCheck({m.name: m.block_size for m in s.models}, model_of=model_of,
-                           base_of=base_of, mismatches=index_metrics.block_size_mismatch)
+    return BlockSizeCheck({m.name: m.block_size for m in s.models}, model_of=running.model_of,
+                          base_of=base_of, mismatches=metrics.block_size_mismatch)
+
+
+def _render_worker(s: ScoringSettings, memos: MemoBounds) -> RenderWorker | None:
+    """The worker process for large prompts, if ``scoring.render_worker`` enables it."""
+    w = s.render_worker
+    if not w.enabled:
+        return None
+    specs = {spec.name: spec for spec in _model_specs(s)}
+    return RenderWorker(list(specs.values()), offload_chars=w.offload_chars, budget_s=w.budget_s,
+                        max_pending=w.max_pending, memos=memos)
+
+
+def _registry_prompts(
+    ctx: PolicyContext,
+    registry: RendererRegistry,
+    running: _Running,
+    sizes: BlockSizeCheck,
+    worker: RenderWorker | None,
+) -> RegistryPrompts:
+    """The policy's ``PromptSource``, with the fleet's hints."""
+    s = ctx.settings.scoring
     model_specs = {spec.name: spec for spec in _model_specs(s)}
 
     def max_model_len(model: str) -> int | None:
@@ -299,66 +346,28 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             return spec.max_model_len
         return ctx.replicas.max_model_len(model)
 
-    w = s.render_worker
-    worker = (RenderWorker(list(model_specs.values()), offload_chars=w.offload_chars,
-                           budget_s=w.budget_s, max_pending=w.max_pending, memos=memos)
-              if w.enabled else None)
-    prompts = RegistryPrompts(registry, remote=s.remote_render,
-                              block_size_hint=block_size_hint if s.auto_models else None,
-                              served=ctx.replicas.lists, max_model_len=max_model_len,
-                              worker=worker, disabled=sizes.disabled)
-    tasks: list[asyncio.Task[Any]] = []
-    ctx.metrics.registry.register(remote_counters)
-    try:
-        await check_index(index)
-        replicas = ctx.replicas
-        tasks.append(ctx.tasks.supervise(
-            lambda: keep_block_gauges(index, index_metrics,
-                                      lambda: [ReplicaId(st.id) for st in replicas.all()]),
-            name="kv-index-gauges",
-        ))  # fmt: skip
-        lease = None
-        if isinstance(index.inner, RedisIndex):
-            # Routers sharing a Redis index: one ingests each source (lease), every
-            # router reads the sources' statuses from Redis.
-            lease = LeaseSettings(client=index.inner.client,
-                                  key_prefix=getattr(ctx.settings.index, "key_prefix",
-                                                     "kvroute:"))
-        observer = FanOutObserver(_HorizonObserver(horizon, ctx), index_metrics.observer(),
-                                  sizes)
-        ingestion = MemberIngestion(index, tasks=ctx.tasks, http=ctx.http, lease=lease,
-                                    observer=observer)
-        index_metrics.watch_sources(ingestion.statuses, ingestion.health)
-        specs = [sp for sp in (_spec(ctx, r) for r in replicas.ids) if sp is not None]
-        for spec in specs:
-            ingestion.add(spec)
-        _follow_membership(ctx, ingestion, index_metrics)
-        if specs and ctx.settings.policy == "kv":
-            await _await_live(ingestion, specs, s.startup_sync_s)
-        if s.scrape.enabled:
-            scraper = MetricsScraper(
-                ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
-                clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
-                stale_after_s=s.scrape.stale_after_s,
-            )
-            scraper.add_listener(_pool_listener(horizon, lambda: ingestion))
-            tasks.append(ctx.tasks.supervise(scraper.run, name="kv-scrape"))
-        yield KvServices(prompts, index, horizon, scraper, ingestion)
-    finally:
-        # Stop the tasks that use the index before closing it (the app's TaskOwner
-        # would only cancel them after every service has exited).
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if ingestion is not None:
-            await ingestion.aclose()
-        try:
-            if worker is not None:
-                await worker.aclose()
-            await index.aclose()
-        finally:
-            index_metrics.close()
-            ctx.metrics.registry.unregister(remote_counters)
+    return RegistryPrompts(registry, remote=s.remote_render,
+                           block_size_hint=running.block_size_hint if s.auto_models else None,
+                           served=ctx.replicas.lists, max_model_len=max_model_len,
+                           worker=worker, disabled=sizes.disabled)
+
+
+def _start_scraper(ctx: PolicyContext, horizon: HorizonEstimator,
+                   running: _Running) -> asyncio.Task[Any] | None:  # fmt: skip
+    """Start the ``/metrics`` scraper (``scoring.scrape``) as a supervised task; its
+    samples feed the horizon."""
+    s = ctx.settings.scoring
+    if not s.scrape.enabled:
+        return None
+    replicas = ctx.replicas
+    scraper = MetricsScraper(
+        ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
+        clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
+        stale_after_s=s.scrape.stale_after_s,
+    )
+    scraper.add_listener(_pool_listener(horizon, lambda: running.ingestion))
+    running.scraper = scraper
+    return ctx.tasks.supervise(scraper.run, name="kv-scrape")
 
 
 async def _await_live(

@@ -2,9 +2,11 @@
 
 ``open_kv_stack`` builds, in order: the index (``memory`` or ``redis`` per
 ``settings.index``, wrapped in ``InstrumentedIndex`` so lookups and writes are timed),
-the namespace check, the per-replica block gauges (one owned task), and the KV-event
-ingestion for every source ``source_specs`` finds (one owned task).  Exiting cancels and
-awaits those tasks, then closes the index and unregisters its series.
+the namespace check, the KV-event ingestion (``router.kv_members``: one supervised task
+per replica) and the per-replica block gauges (one supervised task).  ``kvroute indexer``
+ingests the fixed list ``source_specs`` finds; ``kvroute serve`` passes its fleet
+(``Membership``), whose replicas are ingested as they join and cleared as they leave.
+Exiting cancels and awaits those tasks, then closes the index and unregisters its series.
 
 With a Redis index, ingestion runs under per-source leases (``index.lease``): any number
 of routers and ``kvroute indexer`` processes may run it, exactly one applies each
@@ -14,26 +16,29 @@ With the in-memory index every router ingests everything itself (no lease).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import aiohttp
-    from prometheus_client import CollectorRegistry
 
-    from index.ingestion import KVEventIngestion, SourceSpec
+    from aio.task_owner import TaskOwner
+    from index.ingestion import SourceSpec
     from index.status import SourceStatus
     from index.store import KVIndex
     from index.subscriber import IngestObserver
     from kvkeys.types import ReplicaId
     from router.config import IndexSettings, RouterSettings
     from router.index_metrics import IndexMetrics, InstrumentedIndex
+    from router.kv_members import MemberIngestion
 
 __all__ = [
     "KvStack",
+    "Membership",
     "check_index",
     "instrumented_index",
     "make_index",
@@ -116,71 +121,135 @@ def source_specs(
     return specs
 
 
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """A fleet whose members change (``kvroute serve``): ``members()`` lists the replicas
+    now, ``spec_of`` gives a replica's event source (``None``: not ingested), and
+    ``subscribe`` registers a callback called with ``("added" | "removed", replica)``."""
+
+    members: Callable[[], Iterable[ReplicaId]]
+    spec_of: Callable[[ReplicaId], SourceSpec | None]
+    subscribe: Callable[[Callable[[str, ReplicaId], None]], object]
+
+
 @dataclass(slots=True)
 class KvStack:
-    """What ``open_kv_stack`` yields: the instrumented index, its series, and the
-    ingestion (``None`` when no replica has KV events to ingest)."""
+    """What ``open_kv_stack`` yields: the instrumented index, its series, the ingestion
+    (one run per replica) and the sources it started with."""
 
     index: InstrumentedIndex
     metrics: IndexMetrics
-    ingestion: KVEventIngestion | None
+    ingestion: MemberIngestion
     specs: list[SourceSpec]
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """The event-source snapshot of ``replica``, if it has a source."""
-        return self.ingestion.status(replica) if self.ingestion is not None else None
+        return self.ingestion.status(replica)
 
 
 @asynccontextmanager
 async def open_kv_stack(
     settings: RouterSettings,
-    registry: CollectorRegistry,
+    metrics: IndexMetrics,
     *,
+    tasks: TaskOwner | None = None,
     http: aiohttp.ClientSession | None = None,
     specs: list[SourceSpec] | None = None,
-    observer: IngestObserver | None = None,
+    membership: Membership | None = None,
+    observers: Sequence[IngestObserver] = (),
     gauge_replicas: Callable[[], Collection[ReplicaId]] | None = None,
     lease_ttl_s: float = 10.0,
     lease_owner: str | None = None,
 ) -> AsyncIterator[KvStack]:
     """Build and run the KV stack while the context is open (see the module docstring).
 
-    The ``router_index_*`` and ``router_kv_events_*`` series go on ``registry`` and are
-    unregistered on exit.  ``specs`` defaults to ``source_specs(settings)``; ``observer``
-    sees every applied batch besides those series; ``gauge_replicas`` lists the replicas
-    whose block counts are kept as gauges (default: the ingested sources)."""
-    from aio.task_owner import TaskOwner
-    from index.ingestion import KVEventIngestion, LeaseSettings
-    from index.redis_store import RedisIndex
-    from router.index_metrics import FanOutObserver, IndexMetrics, keep_block_gauges
+    ``metrics`` (the ``router_index_*`` and ``router_kv_events_*`` series) is handed over:
+    closed on exit.  The ingestion's and gauges' tasks are owned by ``tasks`` (default: an
+    owner of the stack's own).  The sources are ``specs`` (default ``source_specs(settings)``)
+    or, with ``membership``, its members' (read once the index is checked), followed as
+    replicas join and leave.  ``observers`` see every applied batch besides the series;
+    ``gauge_replicas`` lists the replicas whose block counts are kept as gauges (default:
+    the ingested sources)."""
+    from contextlib import AsyncExitStack
 
-    metrics = IndexMetrics(registry)
+    from aio.task_owner import TaskOwner
+    from router.index_metrics import keep_block_gauges
+
     index = instrumented_index(settings.index, metrics)
-    specs = source_specs(settings) if specs is None else specs
-    ingestion: KVEventIngestion | None = None
     try:
         await check_index(index)
-        async with TaskOwner() as tasks:
-            if specs:
-                lease = None
-                if isinstance(index.inner, RedisIndex):
-                    kwargs: dict[str, Any] = {"ttl_s": lease_ttl_s, "key_prefix": index.inner.ns}
-                    if lease_owner is not None:
-                        kwargs["owner"] = lease_owner
-                    lease = LeaseSettings(index.inner.client, **kwargs)
-                events = metrics.observer()
-                ingestion = KVEventIngestion(
-                    index, specs, http=http, lease=lease,
-                    observer=FanOutObserver(observer, events) if observer else events,
-                )  # fmt: skip
-                metrics.watch_sources(ingestion.statuses, ingestion.health)
-                tasks.spawn(ingestion.run(), name="kv-events")
-            sources = ingestion.sources if ingestion is not None else {}
-            replicas = gauge_replicas or (lambda: list(sources))
-            tasks.spawn(keep_block_gauges(index, metrics, replicas), name="kv-index-gauges")
-            yield KvStack(index, metrics, ingestion, specs)
+        async with AsyncExitStack() as exits:
+            owner = tasks if tasks is not None else await exits.enter_async_context(TaskOwner())
+            ingestion = _ingestion(index, metrics, owner, http, observers, lease_ttl_s,
+                                   lease_owner)  # fmt: skip
+            replicas = gauge_replicas or (lambda: list(ingestion.sources))
+            gauges = owner.supervise(lambda: keep_block_gauges(index, metrics, replicas),
+                                     name="kv-index-gauges")  # fmt: skip
+            try:
+                if membership is not None:
+                    specs = [sp for sp in map(membership.spec_of, membership.members())
+                             if sp is not None]  # fmt: skip
+                    _follow(membership, ingestion, metrics)
+                elif specs is None:
+                    specs = source_specs(settings)
+                for spec in specs:
+                    ingestion.add(spec)
+                yield KvStack(index, metrics, ingestion, specs)
+            finally:
+                # Stop the tasks that use the index before closing it.
+                gauges.cancel()
+                await asyncio.gather(gauges, return_exceptions=True)
+                await ingestion.aclose()
     finally:
         try:
             await index.aclose()
         finally:
             metrics.close()
+
+
+def _ingestion(
+    index: InstrumentedIndex,
+    metrics: IndexMetrics,
+    tasks: TaskOwner,
+    http: aiohttp.ClientSession | None,
+    observers: Sequence[IngestObserver],
+    lease_ttl_s: float,
+    lease_owner: str | None,
+) -> MemberIngestion:
+    """The per-replica ingestion, under leases with a Redis index: routers and indexers
+    sharing it ingest each source once and read the others' statuses from Redis."""
+    from index.ingestion import LeaseSettings
+    from index.redis_store import RedisIndex
+    from router.index_metrics import FanOutObserver
+    from router.kv_members import MemberIngestion
+
+    lease = None
+    if isinstance(index.inner, RedisIndex):
+        kwargs: dict[str, Any] = {"ttl_s": lease_ttl_s, "key_prefix": index.inner.ns}
+        if lease_owner is not None:
+            kwargs["owner"] = lease_owner
+        lease = LeaseSettings(index.inner.client, **kwargs)
+    events = metrics.observer()
+    ingestion = MemberIngestion(
+        index, tasks=tasks, http=http, lease=lease,
+        observer=FanOutObserver(*observers, events) if observers else events,
+    )  # fmt: skip
+    metrics.watch_sources(ingestion.statuses, ingestion.health)
+    return ingestion
+
+
+def _follow(membership: Membership, ingestion: MemberIngestion, metrics: IndexMetrics) -> None:
+    """Start ingesting joining replicas; stop, clear and forget leaving ones."""
+    from router.series import forget_replica
+
+    def on_change(change: str, replica: ReplicaId) -> None:
+        if ingestion.closed:  # shutting down
+            return
+        if change == "added":
+            spec = membership.spec_of(replica)
+            if spec is not None:
+                ingestion.add(spec)
+            return
+        ingestion.remove(replica, then=lambda: forget_replica([metrics], replica))
+
+    membership.subscribe(on_change)

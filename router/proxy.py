@@ -31,9 +31,11 @@ replica that answered: after a failover the reason is ``failover`` and the predi
 is the one for that replica (``Decision.predicted_for``).  The ``x-kvroute-*`` headers go
 only to tenants allowed them.  With API keys, ``router.tenancy.Access`` runs first.
 
-Cost: the hot path is three coroutines deep (``handle``, ``_attempts``, ``_attempt``) and
-allocates little beyond what uvicorn and aiohttp need; the JSON parse of the body is its
-largest own cost.  ``python -m bench.proxy_overhead`` measures it (router CPU per request).
+The relay itself (the request's ``Call`` state, the stream pump, the disconnect watcher)
+is ``router.relay``.  Cost: the hot path is a chain of coroutine calls (``handle`` ->
+``_serve`` -> ``_run`` -> ``_attempts`` -> ``_attempt`` -> ``_relay_*``) and allocates
+little beyond what uvicorn and aiohttp need; the JSON parse of the body is its largest
+own cost.  ``python -m bench.proxy_overhead`` measures it (router CPU per request).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -58,13 +60,13 @@ from router.errors import (
     RouterError,
     UnknownModel,
     UpstreamError,
-    sse_error_event,
     to_response,
 )
 from router.load import Lease, LoadTracker
 from router.metrics import Outcome, RouterMetrics
 from router.plugins import PolicyRegistry
-from router.policy import Decision, Endpoint, Receipt, RouteRequest
+from router.policy import Decision, Endpoint, Policy, Receipt, RouteRequest
+from router.relay import Call, Receive, Scope, Send, pump, watch_disconnect
 from router.replica_registry import ReplicaRegistry
 from router.request import (
     ClientDisconnected,
@@ -77,13 +79,9 @@ from router.request import (
 from router.tenancy import Access, Tenant
 from router.usage import UsageTap, inject_include_usage, usage_of_body
 
-__all__ = ["Proxy"]
+__all__ = ["Proxy", "Receive", "Scope", "Send"]
 
 _log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Mapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _CLIENT_GONE = 499  # nginx's "client closed request", for metrics only
 # Delay before a request gets a disconnect watcher task.  It bounds how late a disconnect
@@ -112,44 +110,6 @@ class _Retry(Exception):
     def __init__(self, error: UpstreamError, outcome: Outcome) -> None:
         self.error = error
         self.outcome = outcome
-
-
-class _Call:
-    """Per-request state shared by the attempts and the disconnect watcher."""
-
-    __slots__ = ("endpoint", "method", "path", "query", "body", "headers", "stream",
-                 "tap_strip", "request_id", "route", "decision", "prompt_estimate",
-                 "receipt_ok", "prompt_tokens", "cached_tokens", "completion_tokens", "ttfb_s",
-                 "replica", "done", "gone", "watcher", "routing_headers")
-
-    def __init__(self, endpoint: Endpoint, method: str, path: str, query: bytes, body: bytes,
-                 headers: dict[str, str], stream: bool, tap_strip: bool, request_id: str,
-                 route: RouteRequest, decision: Decision, prompt_estimate: int) -> None:
-        self.endpoint = endpoint
-        self.method = method
-        self.path = path
-        self.query = query
-        self.body = body
-        self.headers = headers
-        self.stream = stream
-        self.tap_strip = tap_strip
-        self.request_id = request_id
-        self.route = route
-        self.decision = decision
-        self.prompt_estimate = prompt_estimate
-        """Prompt tokens for the load lease (the decision's count, else an estimate)."""
-        self.receipt_ok = False
-        self.prompt_tokens: int | None = None
-        self.cached_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        self.ttfb_s: float | None = None
-        self.replica: ReplicaId | None = None
-        self.done = False
-        """The response is complete (or being completed): a disconnect no longer matters."""
-        self.gone = False
-        """The watcher saw the client leave and cancelled the handler."""
-        self.watcher: asyncio.Task[None] | None = None
-        self.routing_headers = True  # the x-kvroute-* response headers
 
 
 class Proxy:
@@ -275,7 +235,15 @@ class Proxy:
         except RouterError as exc:
             return await _send_error(send, exc, request_id)
         self._metrics.decisions.labels(decision.policy, decision.reason).inc()
+        call = self._new_call(scope, endpoint, inc, request_id, tenant, body, parsed, route,
+                              decision)  # fmt: skip
+        return await self._run(call, receive, send, policy)
 
+    def _new_call(self, scope: Scope, endpoint: Endpoint, inc: Incoming, request_id: str,
+                  tenant: Tenant | None, body: bytes, parsed: dict[str, Any] | None,
+                  route: RouteRequest, decision: Decision) -> Call:  # fmt: skip
+        """The routed request as the attempts forward it (usage asked for on streams the
+        policy wants receipts of, the upstream's headers, the load estimate)."""
         stream = parsed is not None and endpoint != "other" and parsed.get("stream") is True
         strip = False
         if stream and decision.want_usage and parsed is not None:
@@ -290,13 +258,17 @@ class Proxy:
         prompt_tokens = decision.prompt_tokens
         if prompt_tokens is None:
             prompt_tokens = len(body) // 4  # load estimate only: ~4 bytes of JSON per token
-        call = _Call(endpoint, scope["method"], scope["path"], scope.get("query_string", b""),
-                     body, headers, stream, strip, request_id, route, decision, prompt_tokens)
+        call = Call(endpoint, scope["method"], scope["path"], scope.get("query_string", b""),
+                    body, headers, stream, strip, request_id, route, decision, prompt_tokens)
         if tenant is not None:
             call.routing_headers = tenant.routing_headers
         _log.debug("request %s -> %s (%s/%s)", request_id, decision.replicas[0],
                    decision.policy, decision.reason)
+        return call
 
+    async def _run(self, call: Call, receive: Receive, send: Send, policy: Policy[Any]) -> int:
+        """The attempts under the disconnect watcher, then the receipt to ``policy``."""
+        route, decision = call.route, call.decision
         # The disconnect watcher starts only if the request is still running after
         # _WATCH_AFTER_S: quick answers never pay for a task, and a client that left
         # earlier is seen at once when it starts (receive() reports the disconnect).
@@ -324,15 +296,15 @@ class Proxy:
                 policy.record(route, decision, receipt)
             except Exception:  # a policy bug must not break the response path
                 _log.exception("policy %s failed to record request %s",
-                               decision.policy, request_id)
+                               decision.policy, call.request_id)
 
-    def _start_watcher(self, call: _Call, receive: Receive, task: asyncio.Task[Any]) -> None:
+    def _start_watcher(self, call: Call, receive: Receive, task: asyncio.Task[Any]) -> None:
         if not call.done:
             assert self._loop is not None
-            call.watcher = self._loop.create_task(_watch(call, receive, task))
+            call.watcher = self._loop.create_task(watch_disconnect(call, receive, task))
 
     # ------------------------------------------------------------------ attempts
-    async def _attempts(self, call: _Call, send: Send) -> int:
+    async def _attempts(self, call: Call, send: Send) -> int:
         order = call.decision.replicas
         attempts = min(len(order), self._backoff.max_attempts)
         last_error: UpstreamError | None = None
@@ -367,28 +339,14 @@ class Proxy:
                 self._urls[key] = url
         return url
 
-    async def _attempt(self, call: _Call, replica: ReplicaId, send: Send, last: bool) -> int:
+    async def _attempt(self, call: Call, replica: ReplicaId, send: Send, last: bool) -> int:
         """One upstream attempt, relayed: returns the status sent to the client, or raises
         ``_Retry`` while nothing has been sent yet."""
         outcome: Outcome = "cancelled"
         clock = self._clock
         with self._load.lease(replica, call.prompt_estimate) as lease:
             t_up = clock()
-            try:
-                resp = await self._session.request(
-                    call.method, self._url(replica, call.path, call.query), data=call.body,
-                    headers=call.headers, allow_redirects=False,
-                    timeout=self._stream_timeout if call.stream else self._plain_timeout,
-                )
-            except TimeoutError as exc:
-                raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
-                             "timeout") from exc
-            except _CONNECT_ERRORS as exc:
-                raise _Retry(ReplicaUnavailable(f"cannot reach replica {replica}: {exc}"),
-                             "connect_error") from exc
-            except aiohttp.ClientError as exc:  # not HTTP: a malformed status line, headers
-                raise _Retry(ReplicaUnavailable(f"replica {replica} answered garbage: "
-                                                f"{exc!r}"), "bad_response") from exc
+            resp = await self._request(call, replica)
             status = resp.status
             counted = False
             try:
@@ -397,43 +355,11 @@ class Proxy:
                                  "http_5xx")
                 if call.endpoint != "other" and not (call.stream and status == 200):
                     # A chat/completions JSON answer (or an error): read whole, for usage.
-                    try:
-                        body = await resp.read()
-                    except TimeoutError as exc:
-                        raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in "
-                                                    "time"), "timeout") from exc
-                    except (aiohttp.ClientError, OSError) as exc:
-                        raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                                     "connect_error") from exc
-                    self._first_byte(call, replica, lease, clock() - t_up)
-                    if status == 200:
-                        (call.prompt_tokens, call.cached_tokens,
-                         call.completion_tokens) = usage_of_body(body)
-                        call.receipt_ok = True
-                    call.done = True
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": self._headers(call, replica, resp, len(body))})
-                    await send({"type": "http.response.body", "body": body})
+                    await self._relay_whole(call, replica, resp, lease, t_up, send)
                     outcome = "ok"
                     return status
                 # A stream (or any /v1/* passthrough): relayed chunk by chunk from the first.
-                try:
-                    chunk = await resp.content.readany()
-                except TimeoutError as exc:
-                    raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
-                                 "timeout") from exc
-                except (aiohttp.ClientError, OSError) as exc:
-                    raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                                 "connect_error") from exc
-                self._first_byte(call, replica, lease, clock() - t_up)
-                tap = UsageTap(strip=call.tap_strip) if call.stream else None
-                await send({"type": "http.response.start", "status": status,
-                            "headers": self._headers(call, replica, resp, None)})
-                outcome = await _pump(call, resp, chunk, tap, send)
-                if tap is not None:
-                    call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
-                    call.completion_tokens = tap.completion_tokens
-                    call.receipt_ok = outcome == "ok"
+                outcome = await self._relay_stream(call, replica, resp, lease, t_up, send)
                 return status
             except _Retry:
                 counted = True  # the caller counts it
@@ -445,7 +371,70 @@ class Proxy:
                         outcome = "http_5xx" if status >= 500 else "http_4xx"
                     self._metrics.upstream_requests.labels(replica, outcome).inc()
 
-    def _headers(self, call: _Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+    async def _request(self, call: Call, replica: ReplicaId) -> aiohttp.ClientResponse:
+        """The upstream's response (status and headers read), or ``_Retry``."""
+        try:
+            return await self._session.request(
+                call.method, self._url(replica, call.path, call.query), data=call.body,
+                headers=call.headers, allow_redirects=False,
+                timeout=self._stream_timeout if call.stream else self._plain_timeout,
+            )
+        except TimeoutError as exc:
+            raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
+                         "timeout") from exc
+        except _CONNECT_ERRORS as exc:
+            raise _Retry(ReplicaUnavailable(f"cannot reach replica {replica}: {exc}"),
+                         "connect_error") from exc
+        except aiohttp.ClientError as exc:  # not HTTP: a malformed status line, headers
+            raise _Retry(ReplicaUnavailable(f"replica {replica} answered garbage: "
+                                            f"{exc!r}"), "bad_response") from exc
+
+    async def _relay_whole(self, call: Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+                           lease: Lease, t_up: float, send: Send) -> None:  # fmt: skip
+        """Read the whole body (``_Retry`` if that fails), take its usage, send it."""
+        try:
+            body = await resp.read()
+        except TimeoutError as exc:
+            raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
+                         "timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                         "connect_error") from exc
+        self._first_byte(call, replica, lease, self._clock() - t_up)
+        status = resp.status
+        if status == 200:
+            (call.prompt_tokens, call.cached_tokens,
+             call.completion_tokens) = usage_of_body(body)
+            call.receipt_ok = True
+        call.done = True
+        await send({"type": "http.response.start", "status": status,
+                    "headers": self._headers(call, replica, resp, len(body))})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _relay_stream(self, call: Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
+                            lease: Lease, t_up: float, send: Send) -> Outcome:  # fmt: skip
+        """Relay the body chunk by chunk once its first chunk is in (``_Retry`` if that
+        fails); a stream's usage is tapped on the way."""
+        try:
+            chunk = await resp.content.readany()
+        except TimeoutError as exc:
+            raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
+                         "timeout") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                         "connect_error") from exc
+        self._first_byte(call, replica, lease, self._clock() - t_up)
+        tap = UsageTap(strip=call.tap_strip) if call.stream else None
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": self._headers(call, replica, resp, None)})
+        outcome = await pump(call, resp, chunk, tap, send)
+        if tap is not None:
+            call.prompt_tokens, call.cached_tokens = tap.prompt_tokens, tap.cached_tokens
+            call.completion_tokens = tap.completion_tokens
+            call.receipt_ok = outcome == "ok"
+        return outcome
+
+    def _headers(self, call: Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
                  length: int | None) -> list[tuple[bytes, bytes]]:
         headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _RESP_HOP]
         if length is not None:
@@ -465,53 +454,10 @@ class Proxy:
             headers.append((b"x-kvroute-predicted-cached-tokens", b"%d" % predicted))
         return headers
 
-    def _first_byte(self, call: _Call, replica: ReplicaId, lease: Lease, ttfb: float) -> None:
+    def _first_byte(self, call: Call, replica: ReplicaId, lease: Lease, ttfb: float) -> None:
         lease.first_byte()
         call.ttfb_s = ttfb
         self._metrics.ttfb.labels(replica).observe(ttfb)
-
-
-async def _watch(call: _Call, receive: Receive, task: asyncio.Task[Any]) -> None:
-    """Wait for ``http.disconnect``; cancel the handler's task if the response is not done.
-    Owned by the handler, which cancels it in its ``finally``."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not call.done:
-                call.gone = True
-                task.cancel()
-            return
-
-
-async def _pump(call: _Call, resp: aiohttp.ClientResponse, chunk: bytes,
-                tap: UsageTap | None, send: Send) -> Outcome:
-    """Relay ``chunk`` and every later one; end the body (with an SSE error event if
-    the upstream fails after the first byte)."""
-    content = resp.content
-    try:
-        while chunk:
-            out = tap.feed(chunk) if tap is not None else chunk
-            if content.at_eof():  # the last chunk: end the body in the same write
-                call.done = True
-                tail = tap.flush() if tap is not None else b""
-                await send({"type": "http.response.body", "body": out + tail})
-                return "ok"
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-            chunk = await content.readany()
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        code = "replica_timeout" if isinstance(exc, asyncio.TimeoutError) else "replica_failed"
-        _log.warning("request %s: replica failed mid-stream: %r", call.request_id, exc)
-        call.done = True
-        tail = (tap.flush() if tap is not None else b"")
-        await send({"type": "http.response.body",
-                    "body": tail + sse_error_event(f"upstream failed mid-stream: {exc!r}",
-                                                   code)})
-        return "midstream_error"
-    call.done = True
-    tail = tap.flush() if tap is not None else b""
-    await send({"type": "http.response.body", "body": tail})
-    return "ok"
 
 
 _STATUS_TEXT = {code: str(code) for code in range(100, 600)}

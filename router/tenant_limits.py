@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.errors import RateLimited
 from router.metrics import TENANT_OUTCOMES, TenantMetrics
 
-if TYPE_CHECKING:
-    from router.tenancy import Tenant
+__all__ = ["LimitedTenant", "TenantGate", "TokenBucket"]
 
-__all__ = ["TenantGate", "TokenBucket"]
+
+class LimitedTenant(Protocol):
+    """What the gate reads of a tenant (``router.tenancy.Tenant`` has it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def max_concurrency(self) -> int: ...
+    @property
+    def requests_per_s(self) -> float: ...
+    @property
+    def burst(self) -> int: ...
 
 
 class TokenBucket:
@@ -53,7 +63,7 @@ class TokenBucket:
 class TenantGate:
     """The limits of every configured tenant."""
 
-    def __init__(self, tenants: Sequence[Tenant], *, metrics: TenantMetrics,
+    def __init__(self, tenants: Sequence[LimitedTenant], *, metrics: TenantMetrics,
                  clock: Callable[[], float]) -> None:
         self._clock = clock
         self._metrics = metrics
@@ -69,7 +79,7 @@ class TenantGate:
             for outcome in TENANT_OUTCOMES:
                 metrics.requests.labels(t.name, outcome)
 
-    def admit(self, tenant: Tenant) -> None:
+    def admit(self, tenant: LimitedTenant) -> None:
         """Take a slot for one request of ``tenant``, or raise ``RateLimited``."""
         name = tenant.name
         held = self._inflight[name]
@@ -92,11 +102,11 @@ class TenantGate:
         requests.labels(name, "admitted").inc()
         self._metrics.inflight.labels(name).inc()
 
-    def release(self, tenant: Tenant) -> None:
+    def release(self, tenant: LimitedTenant) -> None:
         """Give back the slot ``admit`` took."""
         self._inflight[tenant.name] -= 1
         self._metrics.inflight.labels(tenant.name).dec()
 
-    def inflight(self, tenant: Tenant) -> int:
+    def inflight(self, tenant: LimitedTenant) -> int:
         """Slots ``tenant`` holds now."""
         return self._inflight[tenant.name]

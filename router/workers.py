@@ -80,8 +80,8 @@ def reuseport_socket(host: str, port: int, *, listen: bool = True,
 
 def _worker(data: dict[str, Any], index: int) -> None:
     """One worker process: the router app on the shared port."""
-    from router.cli import run_server
     from router.config import RouterSettings
+    from router.serving import run_server
 
     settings = RouterSettings.model_validate(data)
     logging.basicConfig(level=settings.log_level.upper(),

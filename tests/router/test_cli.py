@@ -20,9 +20,9 @@ import pytest
 
 from kvroute.cli import main
 from router.app import create_app
-from router.cli import _GC_YOUNG, _tune_gc, _uvicorn_config
 from router.config import RouterSettings
 from router.conn_guard import GuardedHttpToolsProtocol
+from router.serving import _GC_YOUNG, _tune_gc, _uvicorn_config
 from tests.router.conftest import StartFakes
 from tests.router.helpers import chat, measure_ttfb
 from tests.router.server import free_port
@@ -221,7 +221,7 @@ async def test_sigterm_cancels_streams_after_grace(fakes: StartFakes,
 
 
 def test_serve_logs_its_address_and_replicas(caplog: pytest.LogCaptureFixture) -> None:
-    from router.cli import _log_start
+    from router.serving import _log_start
 
     settings = RouterSettings.load(cli={"replicas": ["http://127.0.0.1:8001",
                                                      "http://127.0.0.1:8002"]}, env={})

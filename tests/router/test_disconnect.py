@@ -8,7 +8,8 @@ from typing import Any
 
 import aiohttp
 
-from router.proxy import _WATCH_AFTER_S, _watch
+from router.proxy import _WATCH_AFTER_S
+from router.relay import watch_disconnect
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, inflight, scrape
 
@@ -84,7 +85,7 @@ async def test_only_long_requests_get_a_watcher_task(
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
         nonlocal watchers
-        if getattr(coro, "__qualname__", "") == _watch.__qualname__:
+        if getattr(coro, "__qualname__", "") == watch_disconnect.__qualname__:
             watchers += 1
         return asyncio.Task(coro, loop=loop, **kwargs)
 
