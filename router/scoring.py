@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from kvkeys.types import ReplicaHit, ReplicaId
+from router.residency import Tiers, in_horizons, resident_probability, tail_run
 
 __all__ = [
     "CostModel",
@@ -214,24 +215,6 @@ def _recovering(since_s: float | None, floor: float, window_s: float) -> float:
     return floor + (1.0 - floor) * max(0.0, since_s) / window_s
 
 
-def resident_probability(pressure: float, spread: float) -> float:
-    """Chance an idle block is still resident under ``pressure`` (the share of the free
-    pool allocated before it is needed): 1 up to ``1 - spread``, 0 from ``1 + spread``,
-    linear between."""
-    lo, hi = 1.0 - spread, 1.0 + spread
-    if pressure <= lo:
-        return 1.0
-    if pressure >= hi:
-        return 0.0
-    return (hi - pressure) / (hi - lo)
-
-
-def _in_horizons(seconds: float, horizon_s: float | None) -> float:
-    if horizon_s is None or math.isinf(horizon_s) or seconds <= 0:
-        return 0.0
-    return math.inf if horizon_s <= 0 else seconds / horizon_s
-
-
 def combine_load(
     *,
     own_queued_prefill_tokens: float,
@@ -288,88 +271,6 @@ def _tier_values(costs: CostModel) -> tuple[float, float]:
             tier_value(costs.storage_bandwidth_bytes_per_s, costs))
 
 
-def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
-    return max(0, min(a1, b1) - max(a0, b0))
-
-
-@dataclass(frozen=True, slots=True)
-class _Tiers:
-    """The usable blocks by tier: ``[0, gpu_end)`` GPU, ``[gpu_end, cpu_end)`` CPU, the
-    rest storage, with the CPU and storage values."""
-
-    gpu_end: int
-    cpu_end: int
-    values: tuple[float, float]
-
-    def value(self, a: int, b: int) -> float:
-        """The summed tier values of blocks ``[a, b)``."""
-        if b <= a:
-            return 0.0
-        if b <= self.gpu_end:
-            return float(b - a)
-        v_cpu, v_sto = self.values
-        return (_overlap(a, b, 0, self.gpu_end)
-                + v_cpu * _overlap(a, b, self.gpu_end, self.cpu_end)
-                + v_sto * max(0, b - max(a, self.cpu_end)))
-
-    def at(self, i: int) -> float:
-        """The tier value of block ``i``."""
-        if i < self.gpu_end:
-            return 1.0
-        return self.values[0] if i < self.cpu_end else self.values[1]
-
-
-def _floor_within(x: float, lo: int, hi: int) -> int:
-    """``floor(x)`` clamped to ``[lo, hi]``, for any float (an infinite or NaN ``x`` never
-    reaches ``math.floor``, which would raise on it; NaN gives ``lo``)."""
-    if not x > lo:
-        return lo
-    return hi if x >= hi else math.floor(x)
-
-
-def _tail_run(
-    allocations: float,
-    depth0: float,
-    run: int,
-    start: int,
-    end: int,
-    p_cap: float,
-    spread: float,
-    tiers: _Tiers,
-    p_index: float,
-) -> tuple[float, int, float]:
-    """Tail blocks ``[start, end)`` of a session run of ``run`` blocks freed with
-    ``depth0`` free blocks ahead, after ``allocations`` allocations: ``(sum of P_i x tier
-    value, leading blocks with p_index x P_i >= 1/2, sum of P_i)``, each ``P_i`` capped at
-    ``p_cap``.  ``P_i`` falls with ``i`` (deeper blocks survive longer), so the blocks at
-    the cap come first and the loop runs only over the ramp, stopping at the first 0."""
-    if not math.isfinite(allocations):  # an unbounded queue or lag: everything goes
-        return 0.0, 0, 0.0
-    lo = 1.0 - spread
-    full_end = start
-    if lo > 0:
-        # depth0 + run - 1 - i >= allocations / lo  <=>  P_i = 1 (then capped); the
-        # quotient may overflow to infinity (a horizon near 0), so clamp before flooring
-        full_end = _floor_within(depth0 + run - allocations / lo, start, end)
-    full_end = min(full_end, max(start, run))  # past the run every depth is depth0
-    weighted = p_cap * tiers.value(start, full_end)
-    total = p_cap * (full_end - start)
-    counting = p_index * p_cap >= 0.5
-    resident = full_end - start if counting else 0
-    for i in range(full_end, end):
-        p = min(p_cap, resident_probability(allocations / (depth0 + max(0, run - 1 - i)),
-                                            spread))
-        if p <= 0.0:
-            break
-        weighted += p * tiers.at(i)
-        total += p
-        if counting and p_index * p >= 0.5:
-            resident += 1
-        else:
-            counting = False
-    return weighted, resident, total
-
-
 def score_replica(
     inp: ReplicaInput,
     prompt_tokens: int,
@@ -384,51 +285,15 @@ def score_replica(
     usable = min(hit.blocks, cap)
     g = min(hit.gpu_blocks, usable)
     c = min(hit.cpu_blocks, usable - g)
-    hot = min(max(0, inp.hot_blocks), usable)
-
     p_index = index_trust(inp.freshness, w)
     rate = inp.costs.prefill_tokens_per_s
     queued = inp.load.queued_prefill_tokens
     wait_s = queued / rate if rate > 0 else 0.0
-    pressure = _in_horizons(max(0.0, inp.freshness.lag_s), inp.horizon_s)
-    if inp.free_blocks is not None and block_size > 0:
-        pressure += (queued / block_size) / max(inp.free_blocks, 1.0)
-    else:
-        pressure += _in_horizons(wait_s, inp.horizon_s)
-    spread = w.horizon_spread
-    p_hot = resident_probability(pressure, spread)
-    predicted = hot if p_index * p_hot >= 0.5 else 0
-    depth0 = inp.tail_queue_blocks
-    consumed = max(0.0, inp.tail_consumed)
     if g < usable and tier_values is None:
         tier_values = _tier_values(inp.costs)
-    if depth0 is None or depth0 <= 0 or consumed <= 0:  # every tail block at the front
-        p_tail = resident_probability(pressure + consumed, spread)
-        predicted += usable - hot if p_index * p_tail >= 0.5 else 0
-        if g == usable:  # all on GPU: the common case
-            weighted = p_hot * hot + p_tail * (usable - hot)
-        else:
-            tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
-            weighted = p_hot * tiers.value(0, hot) + p_tail * tiers.value(hot, usable)
-    else:
-        # Block i of the session's run left the LRU queue's head ``depth0 + run - 1 - i``
-        # blocks away (freed last to first): it is gone once that many blocks have been
-        # allocated, so the run is evicted from its end and its leading blocks survive.
-        tiers = _Tiers(g, g + c, tier_values or (1.0, 1.0))
-        free_ref = inp.free_blocks if inp.free_blocks is not None else depth0
-        # an infinite pressure (lag over a horizon near 0) evicts everything, even with
-        # an empty free pool (where inf * 0 would be NaN)
-        allocations = (math.inf if math.isinf(pressure)
-                       else consumed * depth0 + pressure * free_ref)
-        weighted_tail, resident, total = _tail_run(
-            allocations, depth0, inp.tail_run_blocks, hot, usable, p_hot, spread, tiers, p_index,
-        )  # fmt: skip
-        weighted = p_hot * tiers.value(0, hot) + weighted_tail
-        predicted += resident
-        front = total / (usable - hot) if usable > hot else resident_probability(
-            allocations / depth0, spread)
-        p_tail = min(p_hot, front)  # the run's mean (rounding kept below the cap)
-    expected = block_size * p_index * weighted
+    res = _residency(inp, usable, g, c, _pressure(inp, queued, wait_s, block_size), p_index,
+                     w.horizon_spread, tier_values)
+    expected = block_size * p_index * res.weighted
     new_tokens = max(0.0, prompt_tokens - expected)
     score = (-w.alpha * new_tokens - w.beta * queued - w.gamma * inp.load.decode_load
              - w.delta * inp.load.placements)
@@ -439,11 +304,11 @@ def score_replica(
         cpu_blocks=hit.cpu_blocks,
         storage_blocks=hit.storage_blocks,
         usable_blocks=usable,
-        predicted_cached_tokens=block_size * predicted,
+        predicted_cached_tokens=block_size * res.predicted_blocks,
         expected_cached_tokens=expected,
         p_index=p_index,
-        p_resident_hot=p_hot,
-        p_resident_tail=p_tail,
+        p_resident_hot=res.p_hot,
+        p_resident_tail=res.p_tail,
         wait_s=wait_s,
         new_tokens=new_tokens,
         queued_prefill_tokens=queued,
@@ -452,6 +317,70 @@ def score_replica(
         load_known=inp.load.known,
         score=score,
     )
+
+
+def _pressure(inp: ReplicaInput, queued: float, wait_s: float, block_size: int) -> float:
+    """The eviction pressure on the replica's idle blocks until the request is scheduled:
+    the index lag, plus the queue ahead (in free-pool shares when the pool is known)."""
+    pressure = in_horizons(max(0.0, inp.freshness.lag_s), inp.horizon_s)
+    if inp.free_blocks is not None and block_size > 0:
+        return pressure + (queued / block_size) / max(inp.free_blocks, 1.0)
+    return pressure + in_horizons(wait_s, inp.horizon_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Residency:
+    """What survives of the usable blocks: their summed ``P_i x tier value``, the blocks
+    predicted resident, and the hot and tail residency probabilities."""
+
+    weighted: float
+    predicted_blocks: int
+    p_hot: float
+    p_tail: float
+
+
+def _residency(
+    inp: ReplicaInput,
+    usable: int,
+    g: int,
+    c: int,
+    pressure: float,
+    p_index: float,
+    spread: float,
+    tier_values: tuple[float, float] | None,
+) -> _Residency:
+    """Residency of the usable blocks: the hot ones (recently used by others) under
+    ``pressure`` alone; the session's tail by its depth in the LRU queue when known."""
+    hot = min(max(0, inp.hot_blocks), usable)
+    p_hot = resident_probability(pressure, spread)
+    predicted = hot if p_index * p_hot >= 0.5 else 0
+    depth0 = inp.tail_queue_blocks
+    consumed = max(0.0, inp.tail_consumed)
+    if depth0 is None or depth0 <= 0 or consumed <= 0:  # every tail block at the front
+        p_tail = resident_probability(pressure + consumed, spread)
+        predicted += usable - hot if p_index * p_tail >= 0.5 else 0
+        if g == usable:  # all on GPU: the common case
+            return _Residency(p_hot * hot + p_tail * (usable - hot), predicted, p_hot, p_tail)
+        tiers = Tiers(g, g + c, tier_values or (1.0, 1.0))
+        weighted = p_hot * tiers.value(0, hot) + p_tail * tiers.value(hot, usable)
+        return _Residency(weighted, predicted, p_hot, p_tail)
+    # Block i of the session's run left the LRU queue's head ``depth0 + run - 1 - i``
+    # blocks away (freed last to first): it is gone once that many blocks have been
+    # allocated, so the run is evicted from its end and its leading blocks survive.
+    tiers = Tiers(g, g + c, tier_values or (1.0, 1.0))
+    free_ref = inp.free_blocks if inp.free_blocks is not None else depth0
+    # an infinite pressure (lag over a horizon near 0) evicts everything, even with
+    # an empty free pool (where inf * 0 would be NaN)
+    allocations = (math.inf if math.isinf(pressure)
+                   else consumed * depth0 + pressure * free_ref)
+    weighted_tail, resident, total = tail_run(
+        allocations, depth0, inp.tail_run_blocks, hot, usable, p_hot, spread, tiers, p_index,
+    )  # fmt: skip
+    front = total / (usable - hot) if usable > hot else resident_probability(
+        allocations / depth0, spread)
+    p_tail = min(p_hot, front)  # the run's mean (rounding kept below the cap)
+    return _Residency(p_hot * tiers.value(0, hot) + weighted_tail, predicted + resident,
+                      p_hot, p_tail)
 
 
 def rank_replicas(
