@@ -137,9 +137,13 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     )
     i.add_argument("hash_trace", type=Path, help="the block-hash JSONL file")
     i.add_argument("--out", type=Path, required=True, help="chat trace (JSONL) to write")
-    i.add_argument("--block-tokens", type=int, default=64)
-    i.add_argument("--source-block-tokens", type=int, default=512)
-    i.add_argument("--time-compression", type=float, default=None)
+    i.add_argument("--block-tokens", type=int, default=64,
+                   help="tokens each hash id becomes (a multiple of the replicas' block size)")
+    i.add_argument("--source-block-tokens", type=int, default=512,
+                   help="tokens per hash id in the source trace")
+    i.add_argument("--time-compression", type=float, default=None,
+                   help="divide the trace's times by this (default: source-block-tokens / "
+                   "block-tokens, which keeps prompt tokens per second)")
     i.add_argument("--start-s", type=float, default=0.0, help="window start (trace seconds)")
     i.add_argument("--duration-s", type=float, default=None, help="window length")
     i.add_argument("--tokenizer", type=Path, default=None,

@@ -15,17 +15,23 @@ import socket
 __all__ = ["bind_socket"]
 
 
-def bind_socket(host: str, port: int, *, backlog: int = 2048) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0 picks one) with ``TCP_NODELAY``."""
+def bind_socket(host: str, port: int, *, backlog: int = 2048, reuse_port: bool = False,
+                listen: bool = True) -> socket.socket:
+    """A TCP socket on ``host:port`` (port 0 picks one) with ``TCP_NODELAY``, listening
+    unless ``listen`` is false (a port reservation).  ``reuse_port`` sets ``SO_REUSEPORT``,
+    so that several processes share the port (``kvroute serve --workers``)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
                                flags=socket.AI_PASSIVE)
     family, type_, proto, _, addr = infos[0]
     sock = socket.socket(family, type_, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind(addr)
-        sock.listen(backlog)
+        if listen:
+            sock.listen(backlog)
         sock.set_inheritable(True)
     except OSError:
         sock.close()

@@ -48,34 +48,25 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
+from router.listen import bind_socket
+
 __all__ = ["reuseport_socket", "run_workers"]
 
 _log = logging.getLogger(__name__)
 _RESTART_EVERY_S = 1.0
 _EARLY_EXIT_S = 10.0
 _EARLY_EXITS_TO_GIVE_UP = 3
+_NEVER_STARTED = 3
+"""A worker's exit code when its server never started (a port taken, a bad wiring): an
+early exit however long the start took, which a loaded machine can stretch past
+``_EARLY_EXIT_S``."""
 _POLL_S = 0.2
 
 
-def reuseport_socket(host: str, port: int, *, listen: bool = True,
-                     backlog: int = 2048) -> socket.socket:  # fmt: skip
-    """A TCP socket on ``host:port`` with ``SO_REUSEPORT`` and ``TCP_NODELAY`` (see
-    ``router.listen``), listening unless ``listen`` is false (a port reservation)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
-                               flags=socket.AI_PASSIVE)
-    family, type_, proto, _, addr = infos[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind(addr)
-        if listen:
-            sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A socket on ``host:port`` that every worker can bind too (``SO_REUSEPORT``),
+    listening unless ``listen`` is false (a port reservation)."""
+    return bind_socket(host, port, reuse_port=True, listen=listen)
 
 
 def _worker(data: dict[str, Any], index: int) -> None:
@@ -90,7 +81,8 @@ def _worker(data: dict[str, Any], index: int) -> None:
     # Bound, not listening: uvicorn listens once the app has started, so the kernel never
     # queues a connection on a worker that is still starting (or that fails to start).
     sock = reuseport_socket(settings.host, settings.port, listen=False)
-    raise SystemExit(run_server(settings, sock, worker=index))
+    code = run_server(settings, sock, worker=index)
+    raise SystemExit(_NEVER_STARTED if code == 1 else code)
 
 
 def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
@@ -133,7 +125,8 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
                 if stopping or p is None or p.is_alive():
                     continue
                 lived = time.monotonic() - started[i]
-                early_exits[i] = early_exits[i] + 1 if lived < _EARLY_EXIT_S else 0
+                early = lived < _EARLY_EXIT_S or p.exitcode == _NEVER_STARTED
+                early_exits[i] = early_exits[i] + 1 if early else 0
                 if early_exits[i] >= _EARLY_EXITS_TO_GIVE_UP:
                     _log.error("worker %d exited %d times within %.0f s of starting (code "
                                "%s); stopping", i, early_exits[i], _EARLY_EXIT_S, p.exitcode)

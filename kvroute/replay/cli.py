@@ -35,20 +35,26 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     w.add_argument("--trace", type=Path, default=None, help="chat trace (bench generate)")
     w.add_argument("--hash-trace", type=Path, default=None,
                    help="block-hash JSONL (aiperf / Dynamo / Mooncake)")
-    w.add_argument("--sessions", type=int, default=64)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--sessions", type=int, default=64,
+                   help="conversations of the generated workload (without --trace)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     w.add_argument("--block-tokens", type=int, default=64, help="tokens per hash id")
-    w.add_argument("--time-compression", type=float, default=None)
-    w.add_argument("--start-s", type=float, default=0.0)
-    w.add_argument("--duration-s", type=float, default=None)
+    w.add_argument("--time-compression", type=float, default=None,
+                   help="hash trace: divide its times by this (default: 512 / block-tokens)")
+    w.add_argument("--start-s", type=float, default=0.0,
+                   help="hash trace: window start, in trace seconds")
+    w.add_argument("--duration-s", type=float, default=None,
+                   help="hash trace: window length, in trace seconds (default: all)")
     w.add_argument("--max-tokens", type=int, default=None, help="cap generated tokens")
     f = p.add_argument_group("fleet")
-    f.add_argument("--replicas", type=int, default=4)
+    f.add_argument("--replicas", type=int, default=4, help="simulated replicas")
     f.add_argument("--num-blocks", default="600,1024,2048",
                    help="KV blocks per replica, comma-separated (one table each)")
-    f.add_argument("--block-size", type=int, default=16)
-    f.add_argument("--profile", default="llama-3.1-8b-h100")
-    p.add_argument("--policies", default="round_robin,least_loaded,session,kv")
+    f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    f.add_argument("--profile", default="llama-3.1-8b-h100",
+                   help="timing profile of the simulated engine")
+    p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
+                   help="comma-separated policies to replay")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure")
     p.set_defaults(func=_main)
 

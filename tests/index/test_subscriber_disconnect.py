@@ -246,7 +246,13 @@ async def test_bind_mode_clears_its_sources_once_no_engine_is_connected() -> Non
         await eventually(lambda: sub.statuses()[R].connected and status() == "live")
         await pub.publish([store(1)])  # may be lost (slow joiner): replay brings it back
         await pub.publish([store(2)])
-        await eventually(lambda: sub.statuses()[R].last_seq == 1)
+        try:
+            await eventually(lambda: (sub.statuses()[R].last_seq or 0) >= 1, timeout=3.0)
+        except AssertionError:
+            # On a loaded machine both can precede the subscription: a later batch shows
+            # the gap, and the replay brings every batch back.
+            await pub.publish([store(4)])
+        await eventually(lambda: (sub.statuses()[R].last_seq or 0) >= 1)
         assert await held(index, 1) == 3
 
         await pub.aclose()
