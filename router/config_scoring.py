@@ -173,6 +173,12 @@ class ScoringSettings(_Section):
     """Charge moving a conversation off the replica holding its context what it costs
     the fleet (recomputation delaying others on a busy target, displaced and stranded
     cache; ``router.move_cost``), not just the request.  Off: the request's cost only."""
+    price_placements: bool = True
+    """Charge placing a new conversation on a replica the reusable cache its context
+    displaces there (the mean conversation footprint, learnt from finished turns, times
+    the replica's learnt reuse share; ``router.move_cost``), so new conversations go
+    where the cache is lost anyway rather than evenly into every cache.  Off: placed by
+    the request's cost and recent placements only."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)
     """A receipt disagrees largely when off by more than this many tokens ..."""
     receipt_large_rel: float = Field(default=0.1, ge=0)

@@ -34,7 +34,10 @@ Algorithm, per request (``KvPolicy.decide``, a pipeline of the parts below):
    replica is charged what the move costs the fleet beyond the request
    (``router.move_cost``: the recomputation delaying others on a busy target, the cache
    it displaces there and strands at the origin), so a turn leaves only when the queue
-   it avoids is worth more (``scoring.price_moves``).
+   it avoids is worth more (``scoring.price_moves``).  A new conversation is charged
+   the reusable cache its context will displace on each replica (the mean conversation
+   footprint times the replica's learnt reuse share; ``scoring.price_placements``), so
+   conversations go where the cache is lost anyway rather than evenly into every cache.
 5. **Pick** (``router.kv_choice``): the best score; exact ties go by the request's
    consistent-hash ring order, so equal replicas (all holding a shared system prompt,
    no load) still spread new conversations.  A popular prefix whose holder is
@@ -87,14 +90,14 @@ from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose
 from router.load import LoadTracker
 from router.metrics import KvMetrics
-from router.move_cost import FleetState, busy_share, price_moves
+from router.move_cost import FleetState, busy_share, price_moves, price_placement
 from router.policy import Decision, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
 from router.replica_view import ReplicaView
-from router.scoring import CostModel, ScoringWeights, rank_replicas
+from router.scoring import CostModel, ReplicaScore, ScoringWeights, rank_replicas
 from router.scrape import MetricsScraper
-from router.session_table import SessionTable
+from router.session_table import SessionState, SessionTable
 from router.session_tracker import SessionTracker
 
 __all__ = ["KvConfig", "KvPolicy", "KvTicket", "PromptSource"]
@@ -131,6 +134,8 @@ class KvConfig:
     receipt_large_rel: float = 0.1
     price_moves: bool = True
     """Charge a later turn's move what it costs the fleet (``router.move_cost``)."""
+    price_placements: bool = True
+    """Charge a new conversation's placement the cache it displaces (``router.move_cost``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,10 +283,7 @@ class KvPolicy:
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
-        if previous is not None and self.config.price_moves:
-            ranked, _ = price_moves(ranked, previous.replica,
-                                    self._fleet_states(candidates, block_size),
-                                    self.config.weights.alpha)
+        ranked = self._price(ranked, previous, candidates, block_size)
         choice = choose(
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
@@ -303,6 +305,26 @@ class KvPolicy:
             self._route_hist.observe(time.perf_counter() - t0)
         _log_decision(request, decision, choice, n_tokens)
         return decision
+
+    def _price(
+        self,
+        ranked: list[ReplicaScore],
+        previous: SessionState | None,
+        candidates: Sequence[ReplicaId],
+        block_size: int,
+    ) -> list[ReplicaScore]:
+        """``ranked`` with what the decision costs the fleet beyond the request: a later
+        turn's move, a new conversation's placement (``router.move_cost``)."""
+        alpha = self.config.weights.alpha
+        if previous is not None and self.config.price_moves:
+            return price_moves(ranked, previous.replica,
+                               self._fleet_states(candidates, block_size), alpha)[0]
+        if previous is None and self.config.price_placements:
+            footprint = self.tracker.footprint_blocks()
+            if footprint is not None:
+                return price_placement(ranked, self._fleet_states(candidates, block_size),
+                                       footprint * block_size, alpha)[0]
+        return ranked
 
     def _fleet_states(
         self, candidates: Sequence[ReplicaId], block_size: int

@@ -30,6 +30,20 @@ fleet-wide loss.  Staying costs nothing extra (its new blocks extend its own run
 conversations have no origin and are not charged (their prompt is computed somewhere
 anyway; a shared prefix is replicated by the placement term).
 
+**Placing a new conversation** (``price_placement``) has no origin, but it commits the
+conversation's context to its replica for its lifetime: about ``footprint`` tokens, the
+mean context a conversation's turn leaves in the pool (learnt online from finished
+turns, ``SessionTracker.footprint_blocks``).  Allocated on ``r``, they displace as much
+context from the head of ``r``'s LRU queue, which would have been reused with the
+chance ``reuse_r``.  So the placement costs the fleet ``footprint x reuse_r`` beyond the
+request's own prefill.  A replica whose cache already misses its returning
+conversations (low ``reuse``) is cheap to add to; one whose cache serves them is
+protected: the fleet concentrates conversations where the cache is lost anyway instead
+of spreading them evenly into every cache (session affinity's uneven load does this by
+chance).  The queue terms bound it: a busy replica still scores its queue.  Only the
+externality is charged: the conversation's own hits are the request's score and, on
+later turns, its moves' price.
+
 ``rho`` is capped at ``MAX_BUSY`` (a replica measured at or beyond its configured rate
 is saturated; the factor is then 19).  Pure: no clock, no state.
 """
@@ -42,7 +56,8 @@ from dataclasses import dataclass, replace
 from kvkeys.types import ReplicaId
 from router.scoring import ReplicaScore
 
-__all__ = ["MAX_BUSY", "FleetState", "busy_share", "move_cost", "price_moves"]
+__all__ = ["MAX_BUSY", "FleetState", "busy_share", "move_cost", "price_moves",
+           "price_placement"]
 
 MAX_BUSY = 0.95
 """The largest busy share used: ``rho / (1 - rho)`` stays finite (19)."""
@@ -96,6 +111,30 @@ def price_moves(
         delta = home.expected_cached_tokens - s.expected_cached_tokens
         cost = move_cost(delta, states.get(s.replica, FleetState()), o_state)
         if s is not home and cost > 0:
+            costs[s.replica] = cost
+            s = replace(s, score=s.score - alpha * cost)
+        out.append(s)
+    out.sort(key=lambda s: -s.score)
+    return out, costs
+
+
+def price_placement(
+    ranked: Sequence[ReplicaScore],
+    states: Mapping[ReplicaId, FleetState],
+    footprint_tokens: float | None,
+    alpha: float,
+) -> tuple[list[ReplicaScore], dict[ReplicaId, float]]:
+    """``ranked`` (a new conversation's scores) with each replica's score lowered by
+    ``alpha x footprint_tokens x reuse`` (module docstring), best first (ties keep their
+    order); and the fleet costs charged.  Nothing is charged while the footprint or a
+    replica's reuse is unknown."""
+    if footprint_tokens is None or footprint_tokens <= 0:
+        return list(ranked), {}
+    out: list[ReplicaScore] = []
+    costs: dict[ReplicaId, float] = {}
+    for s in ranked:
+        cost = footprint_tokens * (states.get(s.replica, FleetState()).reuse or 0.0)
+        if cost > 0:
             costs[s.replica] = cost
             s = replace(s, score=s.score - alpha * cost)
         out.append(s)

@@ -60,6 +60,8 @@ class SessionTracker:
         self._horizon = horizon
         self._returns: dict[ReplicaId, tuple[int, int]] = {}
         """Per replica: returns within its eviction horizon, and all classified returns."""
+        self._footprint = (0, 0)
+        """Session turns finished with a known size, and the blocks they released."""
         self._calibration = calibration
         self._metrics = metrics
         self._policy_name = policy_name
@@ -105,6 +107,13 @@ class SessionTracker:
         (Laplace-smoothed); ``None`` before any return was classified."""
         within, total = self._returns.get(replica, (0, 0))
         return (within + 1) / (total + 2) if total else None
+
+    def footprint_blocks(self) -> float | None:
+        """The context a conversation holds in a replica's pool: the mean blocks a
+        session's finished turn released (prompt and output; learnt online), ``None``
+        before any was seen."""
+        turns, blocks = self._footprint
+        return blocks / turns if turns else None
 
     # ------------------------------------------------------------------ turns
     def turn(
@@ -159,6 +168,9 @@ class SessionTracker:
     ) -> None:
         """A request finished on ``replica``, giving ``released`` blocks back (when
         known): close the session's turn and return the blocks to the pool estimate."""
+        if session is not None and released is not None:
+            turns, blocks = self._footprint
+            self._footprint = (turns + 1, blocks + released)
         if session is not None:
             # The blocks ahead of this turn's in the LRU free queue: the free pool before
             # its own blocks return to it (they go behind).

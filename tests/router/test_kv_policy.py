@@ -17,6 +17,7 @@ from kvkeys.types import EngineKey, Medium, ReplicaId
 from prompt.keyer import Prompt
 from prompt.registry import ModelSpec, RendererRegistry
 from replica.vllm.tiny_tokenizer import build_tokenizer
+from router.affinity import AffinityKey
 from router.horizon import PoolSample
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_services import RegistryPrompts
@@ -394,3 +395,46 @@ async def test_a_move_counts_the_hit_it_gives_up(registry: RendererRegistry) -> 
     assert d3.replica == d1.replica
     assert env.value("router_kv_came_back_turns_total", replica=d1.replica) == 1
     assert env.value("router_kv_came_back_held_tokens_total", replica=d1.replica) == held
+
+
+async def test_new_conversations_go_where_the_cache_is_lost_anyway(
+    registry: RendererRegistry,
+) -> None:
+    # r3 churns its pool (100 blocks/s of 750 free: a 7.5 s eviction horizon), the
+    # others barely (750 s).  A conversation came back to each after 30 s: within the
+    # horizon on r0-r2 (their cache was reused), beyond it on r3 (lost).  With every
+    # replica holding the shared prompt and no queue, a new conversation displaces
+    # reusable context on r0-r2 but not on r3: it goes to r3.
+    from router.horizon import HorizonEstimator
+
+    def env_with_history(**kw: Any) -> Env:
+        env = Env(registry, horizon=HorizonEstimator(tau_s=30.0, stale_s=1e9), **kw)
+        for r in R:
+            rate = 1600.0 if r == R[3] else 16.0
+            for t, computed in ((0.0, 0.0), (1.0, rate)):
+                env.policy.horizon.observe_scrape(r, PoolSample(
+                    t=t, block_size=16, num_gpu_blocks=1000, kv_usage=0.25,
+                    computed_prompt_tokens_total=computed, generation_tokens_total=0.0))
+            tracker = env.policy.tracker
+            akey = AffinityKey(f"s-{r}", "session")
+            turn = req(chat("hello"), session=f"s-{r}")
+            tracker.turn(turn, akey, r, None, 1.0)
+            tracker.finished(f"s-{r}", r, 100, 1.0)  # a 100-block conversation
+            tracker.turn(turn, akey, r, None, 31.0)
+        return env
+
+    async def first_choices(env: Env) -> set[ReplicaId]:
+        shared = req(chat("warm up"))
+        for r in R:
+            await env.hold(r, shared, blocks=len((await env.prompt(shared)).block_keys) - 1)
+        chosen = set()
+        for u in range(8):
+            d = await env.policy.decide(req(chat(f"user {u} asks"), session=f"u{u}"), R,
+                                        commit=False)
+            assert d.reason == "kv_shared"
+            chosen.add(d.replica)
+        return chosen
+
+    assert await first_choices(env_with_history()) == {R[3]}
+    unpriced = env_with_history(config=KvConfig(price_placements=False))
+    assert len(await first_choices(unpriced)) > 1  # ring order spreads them

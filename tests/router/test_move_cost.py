@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvkeys.types import ReplicaId
-from router.move_cost import MAX_BUSY, FleetState, busy_share, move_cost, price_moves
+from router.move_cost import (
+    MAX_BUSY,
+    FleetState,
+    busy_share,
+    move_cost,
+    price_moves,
+    price_placement,
+)
 from router.scoring import ReplicaScore
 
-A, B = ReplicaId("a"), ReplicaId("b")
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
 
 def score(replica: ReplicaId, expected: float, s: float) -> ReplicaScore:
@@ -87,3 +94,46 @@ def test_reuse_share_is_learnt_from_returns_within_the_horizon() -> None:
     tracker.turn(request, key, A, None, now)
     assert tracker.reuse_share(A) == pytest.approx((2 + 1) / (3 + 2))
     assert tracker.reuse_share(B) is None
+
+
+def test_a_new_conversation_goes_where_the_cache_is_lost_anyway() -> None:
+    # Equal scores (only a shared prompt, no queue): A's cache serves 90% of its
+    # returning conversations, B's 10%.  A conversation holding 3,200 tokens displaces
+    # 3,200 x 0.9 reusable tokens on A, 3,200 x 0.1 on B: it goes to B.
+    ranked = [score(A, 1504.0, -150.0), score(B, 1504.0, -150.0)]
+    states = {A: FleetState(reuse=0.9), B: FleetState(reuse=0.1)}
+    out, costs = price_placement(ranked, states, 3200.0, alpha=1.0)
+    assert [s.replica for s in out] == [B, A]
+    assert costs == {A: pytest.approx(2880.0), B: pytest.approx(320.0)}
+    assert out[0].score == pytest.approx(-150.0 - 320.0)
+    # A queue on B larger than the cache A would lose still sends it to A.
+    ranked = [score(A, 1504.0, -150.0), score(B, 1504.0, -150.0 - 3000.0)]
+    assert price_placement(ranked, states, 3200.0, alpha=1.0)[0][0].replica == A
+
+
+def test_a_placement_is_free_while_footprint_or_reuse_is_unknown() -> None:
+    ranked = [score(B, 0.0, -10.0), score(A, 0.0, -20.0), score(C, 0.0, -30.0)]
+    states = {A: FleetState(reuse=1.0), B: FleetState(), C: FleetState(reuse=0.0)}
+    assert price_placement(ranked, states, None, 1.0) == (ranked, {})
+    out, costs = price_placement(ranked, states, 100.0, 1.0)
+    assert costs == {A: pytest.approx(100.0)}  # B unknown, C never reused: free
+    assert [s.replica for s in out] == [B, C, A]
+
+
+def test_footprint_is_the_mean_context_a_session_turn_leaves() -> None:
+    from router.horizon import HorizonEstimator
+    from router.receipts import ReceiptCalibration
+    from router.session_table import SessionTable
+    from router.session_tracker import SessionTracker
+
+    tracker = SessionTracker(sessions=SessionTable(), horizon=HorizonEstimator(),
+                             calibration=ReceiptCalibration(), metrics=None, policy_name="kv",
+                             detect_prefix_breaks=False, receipt_large_abs_tokens=64,
+                             receipt_large_rel=0.1)
+    assert tracker.footprint_blocks() is None
+    tracker.finished(None, A, 500, 1.0)  # not a conversation: not counted
+    tracker.finished("s", A, None, 1.0)  # size unknown: not counted
+    assert tracker.footprint_blocks() is None
+    tracker.finished("s", A, 100, 2.0)
+    tracker.finished("t", B, 300, 3.0)
+    assert tracker.footprint_blocks() == pytest.approx(200.0)
