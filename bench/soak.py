@@ -25,6 +25,11 @@ ended with an error event: the only failure a client may see), ``abandoned`` (by
 client, on purpose) and ``failed`` (lost: an error status or a broken connection before
 any byte; must be 0), samples of the router's RSS and open file descriptors over time,
 and ``unhandled_exceptions`` (tracebacks in the router's log).
+
+The router runs with small memory budgets (``bench.soak_fleet.SOAK_MEMORY``, ~11 MB of
+prompt memos and session state, full within the first half minute), so its RSS levels
+off early and growth after that is a leak; ``--default-memory`` keeps the router's
+defaults (hundreds of MB that take many minutes to fill).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.soak_fleet import SoakFleet, SoakFleetSpec
+from bench.soak_fleet import SOAK_MEMORY, SoakFleet, SoakFleetSpec
 
 __all__ = ["SoakReport", "SoakSpec", "main", "passed", "register", "run_soak"]
 
@@ -87,7 +92,8 @@ class SoakReport:
     failures: list[str] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
     samples: list[dict[str, float]] = field(default_factory=list)
-    """``{"t": seconds since start, "rss_mib": ..., "open_fds": ...}``."""
+    """``{"t": seconds since start, "rss_mib": ..., "open_fds": ..., "sent": requests
+    sent so far}``."""
     recovered_after_s: float | None = None
     exact_after_recovery: int = 0
     checked_after_recovery: int = 0
@@ -231,7 +237,8 @@ async def _sample(pid: int, report: SoakReport, t0: float, interval: float,
                     rss_kib = float(line.split()[1])
         fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
         report.samples.append({"t": round(time.monotonic() - t0, 1),
-                               "rss_mib": round(rss_kib / 1024, 1), "open_fds": fds})  # fmt: skip
+                               "rss_mib": round(rss_kib / 1024, 1), "open_fds": fds,
+                               "sent": report.sent})  # fmt: skip
         if stop.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -337,6 +344,11 @@ def register(bench: argparse._SubParsersAction[Any]) -> None:
                    help="where soak.json and the processes' logs go")
     p.add_argument("--faults", default=",".join(FAULTS), help="the faults injected, in turn")
     p.add_argument("--seed", type=int, default=0, help="seeds the clients' choices")
+    p.add_argument("--default-memory", action="store_true",
+                   help="keep the router's default memory budgets (~200 MB of prompt memos "
+                   "per model, 64 MiB of sessions: they take many minutes to fill, so RSS "
+                   "rises through the soak without a leak) instead of the soak's ~11 MB "
+                   "(bench.soak_fleet.SOAK_MEMORY)")  # fmt: skip
 
 
 async def main(args: argparse.Namespace, say: Callable[[str], None]) -> SoakReport:
@@ -347,7 +359,8 @@ async def main(args: argparse.Namespace, say: Callable[[str], None]) -> SoakRepo
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = args.tokenizer or await build_tokenizer_dir(out / "tokenizer")
     spec = SoakSpec(
-        SoakFleetSpec(tokenizer, replicas=args.replicas, log_dir=out / "logs"),
+        SoakFleetSpec(tokenizer, replicas=args.replicas, log_dir=out / "logs",
+                      memory=None if args.default_memory else SOAK_MEMORY),
         duration_s=args.duration, conversations=args.conversations,
         fault_interval_s=args.fault_interval, seed=args.seed, faults=_faults_arg(args.faults),
     )  # fmt: skip

@@ -20,7 +20,8 @@ import signal
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,24 @@ import redis.asyncio as aioredis
 
 from bench.fleet import FleetError, free_port, kvroute_command
 
-__all__ = ["SoakFleet", "SoakFleetSpec"]
+__all__ = ["SOAK_MEMORY", "SoakFleet", "SoakFleetSpec"]
 
 START_TIMEOUT_S = 60.0
+
+SOAK_MEMORY: Mapping[str, Any] = {
+    "prompt_memory": {
+        "piece_cache_tokens": 100_000, "word_cache_words": 10_000,
+        "turn_memo_bytes": 2_000_000, "key_memo_units": 10_000,
+    },
+    "session_token_bytes": 2 << 20,
+}  # fmt: skip
+"""The router's memory budgets in a soak (merged into its ``scoring`` section): about
+9 MB of prompt memos (2.6 + 1.75 + 2 + 2 MB by the units documented in
+``router.config_scoring``) and 2 MiB of session state, full within the first half
+minute of the soak's traffic.  The defaults (~200 MB of memos per model, 64 MiB of
+sessions) take many minutes of distinct conversations to fill, so RSS would rise
+through a whole 5-minute soak without any leak; with these budgets it levels off early
+and later growth is a leak."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +60,9 @@ class SoakFleetSpec:
     block_size: int = 16
     time_scale: float = 0.05
     log_dir: Path | None = None
+    memory: Mapping[str, Any] | None = field(default_factory=lambda: SOAK_MEMORY)
+    """Memory budgets merged into the router's ``scoring`` section (``None``: the
+    router's defaults)."""
 
 
 class _Child:
@@ -129,12 +148,15 @@ class SoakFleet:
                             "kv_events_endpoint": events, "replay_endpoint": replay})  # fmt: skip
         self.router_port = free_port()
         self.router_url = f"http://127.0.0.1:{self.router_port}"
+        scoring: dict[str, Any] = {"models": [
+            {"name": spec.model, "block_size": spec.block_size, "tokenizer": str(spec.tokenizer)}
+        ]}  # fmt: skip
+        scoring.update(spec.memory or {})
         config = {
             "host": "127.0.0.1", "port": self.router_port, "log_level": "warning",
             "replicas": entries, "policy": "kv", "health": {"interval_s": 0.5},
             "index": {"backend": "redis", "url": self.redis_url, "key_prefix": "soak:"},
-            "scoring": {"models": [{"name": spec.model, "block_size": spec.block_size,
-                                    "tokenizer": str(spec.tokenizer)}]},
+            "scoring": scoring,
         }  # fmt: skip
         config_file = self.dir / "router.json"  # JSON is YAML
         config_file.write_text(json.dumps(config))
