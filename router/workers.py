@@ -43,6 +43,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -61,6 +62,7 @@ _NEVER_STARTED = 3
 early exit however long the start took, which a loaded machine can stretch past
 ``_EARLY_EXIT_S``."""
 _POLL_S = 0.2
+_PARENT_POLL_S = 1.0
 
 
 def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
@@ -81,8 +83,21 @@ def _worker(data: dict[str, Any], index: int) -> None:
     # Bound, not listening: uvicorn listens once the app has started, so the kernel never
     # queues a connection on a worker that is still starting (or that fails to start).
     sock = reuseport_socket(settings.host, settings.port, listen=False)
+    _stop_with_parent(os.getppid())
     code = run_server(settings, sock, worker=index)
     raise SystemExit(_NEVER_STARTED if code == 1 else code)
+
+
+def _stop_with_parent(parent: int) -> None:
+    """Shut this worker down gracefully (SIGTERM to itself) once the supervisor is gone,
+    even killed with SIGKILL: a worker must never keep serving the port unsupervised."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="kvroute-parent-watch", daemon=True).start()
 
 
 def run_workers(data: dict[str, Any], host: str, port: int, workers: int,

@@ -219,3 +219,24 @@ async def test_a_worker_that_cannot_start_stops_the_supervisor(
         assert await wait_exit(proc, 90) == 1
         assert proc.stdout is not None
         assert b"exited 3 times" in proc.stdout.read()
+
+
+async def test_workers_stop_when_the_supervisor_is_killed(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    fake = await stack.enter_async_context(FakeReplica("r0"))
+    port = free_port()
+    config = {"replicas": [{"url": fake.url, "id": "r0"}], "policy": "round_robin"}
+    url = f"http://127.0.0.1:{port}"
+    http = await stack.enter_async_context(aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=10)))
+    with serve_workers(config, tmp_path, port) as proc:
+        await ready(http, url, proc, [])
+        workers = children(proc.pid)
+        assert len(workers) == 2
+        proc.kill()  # SIGKILL: the supervisor cannot pass anything on
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(w) for w in workers):
+            assert time.monotonic() < deadline, "a worker outlived its supervisor"
+            await asyncio.sleep(0.1)
