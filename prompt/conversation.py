@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -176,24 +176,10 @@ class ConversationMemo:
             return keys[i]
 
         first = key_of(0)
-        previous: CachedPrompt | None = None
-        shared = 0
-        for k in range(n, max(n - LOOKBACK, 0), -1):
-            last = key_of(k - 1)
-            if first is None or last is None:
-                return None
-            found = self._prompts.get((k, first, last))
-            if found is not None:
-                built = found[0].messages
-                if built.content_format == content_format and built.same_messages(
-                    messages[:k] if k < n else messages, text_only
-                ):
-                    previous, shared = found[0], k
-                    break
-            sibling = self._sibling((k, first, last), messages, k, content_format, text_only)
-            if sibling is not None:
-                previous, shared = sibling, k
-                break
+        found = self._find(messages, key_of, content_format, text_only)
+        if first is None or found is None:
+            return None
+        previous, shared = found
         base = previous.messages if previous is not None else None
         raw: bytes | None = None
         if text_only:
@@ -222,6 +208,32 @@ class ConversationMemo:
             developer, history,
         )
         return Opened(built, previous)
+
+    def _find(
+        self,
+        messages: list[Any],
+        key_of: Callable[[int], Hashable | None],
+        content_format: ContentFormat,
+        text_only: bool,
+    ) -> tuple[CachedPrompt | None, int] | None:
+        """The remembered prompt the request extends (or replaces the last message of)
+        and how many of its messages it shares; ``None``: a message is not plain data."""
+        n, first = len(messages), key_of(0)
+        for k in range(n, max(n - LOOKBACK, 0), -1):
+            last = key_of(k - 1)
+            if first is None or last is None:
+                return None
+            found = self._prompts.get((k, first, last))
+            if found is not None:
+                built = found[0].messages
+                if built.content_format == content_format and built.same_messages(
+                    messages[:k] if k < n else messages, text_only
+                ):
+                    return found[0], k
+            sibling = self._sibling((k, first, last), messages, k, content_format, text_only)
+            if sibling is not None:
+                return sibling, k
+        return None, 0
 
     def _sibling(
         self,
