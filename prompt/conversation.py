@@ -24,15 +24,17 @@ only for the blocks after the shared ones, as vLLM's request extends its own
 
 ``open(messages, content_format)`` looks for the remembered prompt whose messages are
 the longest prefix of this request's, at most ``LOOKBACK`` messages shorter (the
-previous turn, a retry), and accepts it only if those messages are exactly equal, never
-by a hash: text-only messages by ``==`` (C speed; with exact string values ``==`` is
-exact, and the built conversation depends on such a message only through its key ->
-value mapping), others by comparing ``plain_data`` bytes.  It builds only the messages
-after that prefix.  Each later stage decides for itself what it takes from the previous
-prompt and proves it exactly: the loops by the identity of the message objects and equal
-free variables, the split by comparing the texts, the keys by the shared pieces under
-the same key context.  A previous prompt that helps little costs time, never
-correctness.
+previous turn, a retry) or, for text-only messages, the remembered prompt that has those
+messages plus one more (the request replaces its last message: a regenerated or edited
+question; found by ``BuiltMessages.history_key``), and accepts it only if those messages
+are exactly equal, never by a hash: text-only messages by ``==`` (C speed; with exact
+string values ``==`` is exact, and the built conversation depends on such a message only
+through its key -> value mapping), others by comparing ``plain_data`` bytes.  It builds
+only the messages after that prefix.  Each later stage decides for itself what it takes
+from the previous prompt and proves it exactly: the loops by the identity of the message
+objects and equal free variables, the split by comparing the texts, the keys by the
+shared pieces under the same key context.  A previous prompt that helps little costs
+time, never correctness.
 
 Memory is bounded: ``max_bytes`` counts the characters of the texts a prompt holds,
 its raw bytes, 8 bytes per token id of its split and a fixed cost per message (the
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -90,6 +92,10 @@ class BuiltMessages:
     key: _Key
     has_developer: bool
     """Some message of ``conversation`` has the role ``developer``."""
+    history_key: _Key | None = None
+    """The key of the messages before the last one (text-only messages only): a request
+    that keeps them and replaces the last one (a regenerated or edited question) finds
+    this prompt by it."""
 
     def same_messages(self, messages: list[Any], text_only: bool) -> bool:
         """Whether ``messages`` (as many as these) are exactly these."""
@@ -146,6 +152,8 @@ class ConversationMemo:
             raise ValueError("max_bytes must be >= 0")
         self._max_bytes = max_bytes
         self._prompts: OrderedDict[_Key, tuple[CachedPrompt, int]] = OrderedDict()
+        self._by_history: dict[_Key, CachedPrompt] = {}
+        """Remembered text-only prompts by their ``history_key`` (the latest of each)."""
         self._bytes = 0
         self.stats = ConversationStats()
 
@@ -168,7 +176,49 @@ class ConversationMemo:
             return keys[i]
 
         first = key_of(0)
-        previous: CachedPrompt | None = None
+        found = self._find(messages, key_of, content_format, text_only)
+        if first is None or found is None:
+            return None
+        previous, shared = found
+        base = previous.messages if previous is not None else None
+        raw: bytes | None = None
+        if text_only:
+            old = base.snapshot[:shared] if base is not None and base.snapshot is not None else []
+            snapshot: list[dict[str, str]] | None = [*old, *map(dict, messages[len(old) :])]
+        else:
+            snapshot, raw = None, plain_bytes(messages)
+            if raw is None:
+                return None
+        reused = base.conversation[:shared] if base is not None else []
+        fresh = build_conversation(messages[len(reused) :], content_format)
+        if not text_only:  # text-only messages are built into new containers already
+            fresh = [_detached(m) for m in fresh]
+        if base is None:
+            self.stats.misses += 1
+        else:
+            self.stats.hits += 1
+            self.stats.reused_messages += len(reused)
+        developer = any(m["role"] == "developer" for m in fresh) or (
+            base is not None and base.has_developer and (
+                len(reused) == len(base.conversation)
+                or any(m["role"] == "developer" for m in reused)))
+        history = (n - 1, first, key_of(n - 2)) if text_only and n > 1 else None
+        built = BuiltMessages(
+            snapshot, raw, content_format, [*reused, *fresh], (n, first, key_of(n - 1)),
+            developer, history,
+        )
+        return Opened(built, previous)
+
+    def _find(
+        self,
+        messages: list[Any],
+        key_of: Callable[[int], Hashable | None],
+        content_format: ContentFormat,
+        text_only: bool,
+    ) -> tuple[CachedPrompt | None, int] | None:
+        """The remembered prompt the request extends (or replaces the last message of)
+        and how many of its messages it shares; ``None``: a message is not plain data."""
+        n, first = len(messages), key_of(0)
         for k in range(n, max(n - LOOKBACK, 0), -1):
             last = key_of(k - 1)
             if first is None or last is None:
@@ -179,34 +229,33 @@ class ConversationMemo:
                 if built.content_format == content_format and built.same_messages(
                     messages[:k] if k < n else messages, text_only
                 ):
-                    previous = found[0]
-                    break
-        base = previous.messages if previous is not None else None
-        raw: bytes | None = None
-        if text_only:
-            old = base.snapshot if base is not None and base.snapshot is not None else []
-            snapshot: list[dict[str, str]] | None = [*old, *map(dict, messages[len(old) :])]
-        else:
-            snapshot, raw = None, plain_bytes(messages)
-            if raw is None:
-                return None
-        reused = base.conversation if base is not None else []
-        fresh = build_conversation(messages[len(reused) :], content_format)
-        if not text_only:  # text-only messages are built into new containers already
-            fresh = [_detached(m) for m in fresh]
-        if base is None:
-            self.stats.misses += 1
-        else:
-            self.stats.hits += 1
-            self.stats.reused_messages += len(reused)
-        developer = (base is not None and base.has_developer) or any(
-            m["role"] == "developer" for m in fresh
-        )
-        built = BuiltMessages(
-            snapshot, raw, content_format, [*reused, *fresh], (n, first, key_of(n - 1)),
-            developer,
-        )
-        return Opened(built, previous)
+                    return found[0], k
+            sibling = self._sibling((k, first, last), messages, k, content_format, text_only)
+            if sibling is not None:
+                return sibling, k
+        return None, 0
+
+    def _sibling(
+        self,
+        key: _Key,
+        messages: list[Any],
+        k: int,
+        content_format: ContentFormat,
+        text_only: bool,
+    ) -> CachedPrompt | None:
+        """The remembered prompt whose messages are the first ``k`` of ``messages``
+        (``key``) plus one more (the request replaces that last message)."""
+        prompt = self._by_history.get(key)
+        if prompt is None or not text_only:
+            return None
+        head = messages[:k]
+        built = prompt.messages
+        current = self._prompts.get(built.key)
+        if current is None or current[0] is not prompt or built.snapshot is None:
+            return None
+        if built.content_format != content_format or head != built.snapshot[:k]:
+            return None
+        return prompt
 
     def remember(self, prompt: CachedPrompt, *, replacing: CachedPrompt | None) -> None:
         """Keep ``prompt`` (most recent) in place of ``replacing`` (the conversation has
@@ -220,8 +269,11 @@ class ConversationMemo:
             return
         self._prompts[key] = (prompt, size)
         self._bytes += size
+        if prompt.messages.history_key is not None:
+            self._by_history[prompt.messages.history_key] = prompt
         while self._bytes > self._max_bytes:
-            _, (_, old) = self._prompts.popitem(last=False)
+            _, (evicted, old) = self._prompts.popitem(last=False)
+            self._forget_history(evicted)
             self._bytes -= old
             self.stats.evictions += 1
 
@@ -229,7 +281,13 @@ class ConversationMemo:
         current = self._prompts.get(key)
         if current is not None and (expected is None or current[0] is expected):
             del self._prompts[key]
+            self._forget_history(current[0])
             self._bytes -= current[1]
+
+    def _forget_history(self, prompt: CachedPrompt) -> None:
+        history = prompt.messages.history_key
+        if history is not None and self._by_history.get(history) is prompt:
+            del self._by_history[history]
 
     def __len__(self) -> int:
         return len(self._prompts)
@@ -242,6 +300,7 @@ class ConversationMemo:
     def clear(self) -> None:
         """Forget every prompt."""
         self._prompts.clear()
+        self._by_history.clear()
         self._bytes = 0
 
 

@@ -74,10 +74,10 @@ def divergence(previous: bytes, new: bytes) -> int | None:
         return None
     lo, hi = 0, min(len(previous), len(new)) // 4
     # Invariant: the first ``lo`` tokens agree; some token before ``hi`` differs or
-    # ``new`` ends at ``hi``.
+    # ``new`` ends at ``hi``.  So only tokens ``lo`` to ``mid`` need comparing.
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if previous[: 4 * mid] == new[: 4 * mid]:
+        if previous[4 * lo : 4 * mid] == new[4 * lo : 4 * mid]:
             lo = mid
         else:
             hi = mid - 1

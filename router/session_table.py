@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvkeys.types import ReplicaId
+from kvkeys.types import ReplicaId, RequestKey
 from router.prefix_breaks import PromptShape
 
 __all__ = ["SessionState", "SessionTable"]
@@ -44,6 +44,9 @@ class SessionState:
     """The blocks the turn released when it finished (prompt and output)."""
     left: ReplicaId | None = None
     """The replica the session last moved away from, if it ever moved."""
+    last_key: RequestKey | None = None
+    """The block key of the last full block of ``tokens`` (``None``: not known), which
+    proves the next prompt extends them without comparing every token."""
 
 
 ENTRY_BYTES = 512
@@ -84,6 +87,7 @@ class SessionTable:
         now: float,
         tokens: bytes,
         shape: PromptShape | None,
+        last_key: RequestKey | None = None,
     ) -> SessionState | None:
         """Record a new turn routed to ``replica``; return the previous turn's state
         (a copy, for comparisons), or ``None`` for a new session."""
@@ -92,18 +96,19 @@ class SessionTable:
         if old is not None:
             previous = SessionState(
                 old.replica, old.routed_at, old.tokens, old.shape, old.finished_at, old.turns,
-                old.alloc_mark, old.free_mark, old.blocks_mark, old.left,
+                old.alloc_mark, old.free_mark, old.blocks_mark, old.left, old.last_key,
             )
             if replica != old.replica:
                 old.left = old.replica
             self._bytes -= _size(old)
             old.replica, old.routed_at, old.tokens, old.shape = replica, now, tokens, shape
+            old.last_key = last_key
             old.finished_at = None
             old.alloc_mark = old.free_mark = old.blocks_mark = None
             old.turns += 1
             self._s.move_to_end(key)
         else:
-            self._s[key] = SessionState(replica, now, tokens, shape)
+            self._s[key] = SessionState(replica, now, tokens, shape, last_key=last_key)
         self._bytes += _size(self._s[key])
         self._trim()
         return previous

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 
-from kvkeys.types import ReplicaId
+from kvkeys.types import ReplicaId, RequestKey
 from prompt.keyer import Prompt
 from router.affinity import AffinityKey
 from router.horizon import HorizonEstimator, classify_return
@@ -130,9 +130,12 @@ class SessionTracker:
             return
         m = self._metrics
         track = self._detect_breaks and akey.source == "session" and prompt is not None
-        tokens = pack_tokens(prompt.token_ids) if track and prompt is not None else b""
+        tokens, extends, last_key = b"", False, None
+        if track and prompt is not None:
+            tokens, extends = _packed(prompt, self.sessions.get(akey.key))
+            last_key = _last_key(prompt)
         shape = prompt_shape(request.body) if track else None
-        prev = self.sessions.turn(akey.key, replica, now, tokens, shape)
+        prev = self.sessions.turn(akey.key, replica, now, tokens, shape, last_key)
         if prev is None:
             return
         if prev.finished_at is not None:
@@ -147,7 +150,8 @@ class SessionTracker:
         if m is not None:
             m.session_turns.labels(self._policy_name, "same_replica" if prev.replica == replica
                                    else "moved").inc()
-        if track and prev.tokens and prev.shape is not None and shape is not None:
+        if (track and not extends and prev.tokens and prev.shape is not None
+                and shape is not None):
             br = detect_break(prev.tokens, prev.shape, tokens, shape)
             if br is not None:
                 self._prefix_break(request, br)
@@ -218,3 +222,35 @@ class SessionTracker:
         if receipt.prompt_tokens is not None:
             m.prompt_tokens.labels(receipt.replica, "computed").inc(
                 max(0, receipt.prompt_tokens - check.actual))
+
+
+def _packed(prompt: Prompt, previous: SessionState | None) -> tuple[bytes, bool]:
+    """The prompt's tokens packed (``prefix_breaks.pack_tokens``), and whether they extend
+    the session's previous prompt.
+
+    A later turn usually extends its previous prompt: when the block key of the previous
+    prompt's last full block is the new prompt's key at that block (the keys are chained,
+    so every token before it is the same) and its partial block's tokens are the same,
+    only the new tokens are packed.  Otherwise every token is (and compared by
+    ``prefix_breaks.detect_break``)."""
+    ids = prompt.token_ids
+    if previous is None or not previous.tokens:
+        return pack_tokens(ids), False
+    old = previous.tokens
+    n = len(old) // 4
+    full = n // prompt.block_size
+    keys = prompt.block_keys
+    if (len(ids) >= n
+            and (full == 0 or (previous.last_key is not None and len(keys) >= full
+                               and keys[full - 1] == previous.last_key))
+            and pack_tokens(ids[full * prompt.block_size:n]) == old[4 * full * prompt.block_size:]):
+        return old + pack_tokens(ids[n:]), True
+    return pack_tokens(ids), False
+
+
+def _last_key(prompt: Prompt) -> RequestKey | None:
+    """The key of the prompt's last full block, when it has one key per full block."""
+    keys = prompt.block_keys
+    if keys and len(keys) == len(prompt.token_ids) // prompt.block_size:
+        return keys[-1]
+    return None

@@ -186,6 +186,36 @@ def test_next_turn_reuses_the_previous_one(registry: RendererRegistry) -> None:
     assert len(memo) == held  # the new prompt replaced the previous one
 
 
+def test_a_replaced_last_message_reuses_the_history(registry: RendererRegistry) -> None:
+    target = registry.resolve("llama3")
+    assert target.renderer is not None
+    renderer = target.renderer
+    history = [
+        {"role": "system", "content": "system prompt " * 40},
+        {"role": "user", "content": "question " * 20},
+        {"role": "assistant", "content": "answer " * 30},
+    ]
+    keying = Keying(registry.keyer, target.key_context(None))
+    for tail in ("first question", "the question edited", "a third one"):
+        messages = [*copy.deepcopy(history), {"role": "user", "content": tail}]
+        hits, reused = renderer.conversations.stats.hits, renderer.encoder.stats.reused
+        tok = renderer.render_chat({"model": "llama3", "messages": messages}, keying)
+        if tail != "first question":  # found the previous request, without its question
+            assert renderer.conversations.stats.hits == hits + 1
+            assert renderer.encoder.stats.reused > reused
+        memo = renderer.conversations
+        renderer.conversations = ConversationMemo()
+        try:
+            fresh = renderer.render_chat({"model": "llama3", "messages": messages}, keying)
+        finally:
+            renderer.conversations = memo
+        assert tok.token_ids == fresh.token_ids and tok.block_keys == fresh.block_keys
+    # The memo holds one prompt for the conversation (each replaced the one it reused).
+    kept = [p for p, _ in renderer.conversations._prompts.values()
+            if p.messages.snapshot is not None and p.messages.snapshot[:3] == history]
+    assert len(kept) == 1
+
+
 def test_values_equal_to_python_but_not_to_a_template_are_not_reused(
     registry: RendererRegistry, hf_tokenizer: Callable[[str], Any]
 ) -> None:

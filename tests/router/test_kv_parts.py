@@ -15,6 +15,7 @@ from router.kv_choice import ChoiceRules, Fallback, choose
 from router.kv_policy import KvPolicy, KvTicket
 from router.load import LoadTracker
 from router.policy import Receipt, RouteRequest
+from router.prefix_breaks import pack_tokens
 from router.receipts import ReceiptCalibration
 from router.replica_view import ReplicaView, SessionTail
 from router.scoring import CostModel, ReplicaScore, ScoringWeights
@@ -220,3 +221,33 @@ async def test_a_prediction_extended_by_provisional_entries_does_not_calibrate()
     assert d2.ticket is not None and d2.ticket.calibration_cached_tokens is None
     policy.record(burst, d2, Receipt(d2.replica, True, prompt_tokens=160, cached_tokens=0))
     assert policy.calibration.trust(d2.replica) == 1.0
+
+
+def _turn_prompt(ids: list[int], salt: str | None = None) -> Prompt:
+    return Prompt(ids, block_keys(ids, 4, model="m", cache_salt=salt), 4, "m", cache_salt=salt)
+
+
+@pytest.mark.parametrize(
+    ("second", "salt", "breaks"),
+    [
+        ([*range(10), 50, 51], None, False),  # extends: only the new tokens are packed
+        ([*range(9), 99, 50], None, True),  # differs in the previous partial block
+        ([0, 1, 2, 3, 4, 5, 99, 7, 8, 9, 50], None, True),  # in its last full block
+        ([*range(9)], None, True),  # shorter
+        ([*range(10), 50], "other", False),  # another salt, same tokens: keys differ
+        ([*range(3)], None, True),  # shorter than a block
+    ],
+)
+def test_tracker_keeps_each_turns_tokens_and_finds_the_breaks(
+    second: list[int], salt: str | None, breaks: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = tracker(HorizonEstimator())
+    key = AffinityKey("k", "session")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    request = RouteRequest("r1", "chat", "/v1/chat/completions", "m", body, "k")
+    t.turn(request, key, A, _turn_prompt(list(range(10))), 0.0)
+    caplog.set_level("INFO", logger="router.session_tracker")
+    t.turn(request, key, A, _turn_prompt(second, salt), 1.0)
+    state = t.previous(key)
+    assert state is not None and state.tokens == pack_tokens(second)
+    assert ("prefix break" in caplog.text) == breaks
