@@ -253,7 +253,7 @@ async def test_bind_mode_clears_its_sources_once_no_engine_is_connected() -> Non
             # the gap, and the replay brings every batch back.
             await pub.publish([store(4)])
         await eventually(lambda: (sub.statuses()[R].last_seq or 0) >= 1)
-        assert await held(index, 1) == 3
+        await held_becomes(index, 1, 3, timeout=10.0)  # the replay of batch 0 lands too
 
         await pub.aclose()
         await held_becomes(index, 1, 0, timeout=grace + 5.0)
