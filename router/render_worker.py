@@ -162,14 +162,20 @@ class RenderWorker:
         executor, self._executor = self._executor, None
         if executor is None:
             return []
-        # The pool has no public way to stop a busy worker: terminate it.
         processes = list(getattr(executor, "_processes", {}).values())
+        # The worker is not killed: killed mid-message, it would leave the pool's result
+        # reader waiting for the rest of a message and its feeder blocked on a full pipe
+        # (both ends of the pool's pipes live in this process), so joining them (the
+        # pool's clean-up, or the interpreter's exit) would hang for good.  It finishes
+        # the render in hand (bounded by the body limit) and exits; what is queued is
+        # cancelled.  A feeder left writing to a worker that died is not waited for.
+        call_queue = getattr(executor, "_call_queue", None)
+        if call_queue is not None:
+            call_queue.cancel_join_thread()
         executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.terminate()
         return processes
 
     async def aclose(self) -> None:
-        """Cancel what is queued, stop the process and reap it (idempotent)."""
+        """Cancel what is queued, let the worker finish its render and reap it (idempotent)."""
         for process in self._stop():
             await asyncio.to_thread(process.join, 5.0)
