@@ -48,11 +48,11 @@ from bench.overhead_upstreams import ReplicaProtocol, chat_body
 from bench.proxy_overhead import (
     PhaseResult,
     _Conn,
-    _CpuWatch,
     _free_port,
     _pct,
     _pin,
     _wait_http,
+    timed_run,
 )
 
 MODEL = "bench-model"
@@ -185,15 +185,8 @@ async def phase(ports: list[int], target: str, policy: str | None, concurrency: 
                 lat.append(t)
 
     warm = time.perf_counter() + min(0.3, seconds / 5)
-    await asyncio.gather(*(run(i, warm, False) for i in range(concurrency)))
-    watch = _CpuWatch(cpu_pid, [os.getpid(), *load_pids]) if cpu_pid is not None else None
-    t0 = time.perf_counter()
-    await asyncio.gather(*(run(i, t0 + seconds, True) for i in range(concurrency)))
-    elapsed = time.perf_counter() - t0
-    cpu = share = gen = others = None
-    if watch is not None:
-        router_s, share, gen, others = watch.stop()
-        cpu = router_s / max(1, len(lat)) * 1e6
+    elapsed, cpu, share, gen, others = await timed_run(
+        run, concurrency, warm, seconds, lat, cpu_pid, load_pids)
     for conn in conns:
         conn.close()
     lat.sort()

@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -190,16 +191,8 @@ async def _phase(ports: list[int], target: str, body: bytes, stream: bool, concu
                 lat.append(t)
                 ttfbs.append(f)
 
-    await asyncio.gather(*(run(i, warm_until, False) for i in range(concurrency)))
-    watch = (_CpuWatch(cpu_pid, [os.getpid(), *(load_pids or [])])
-             if cpu_pid is not None else None)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(run(i, t0 + seconds, True) for i in range(concurrency)))
-    elapsed = time.perf_counter() - t0
-    cpu = share = gen = others = None
-    if watch is not None:
-        router_s, share, gen, others = watch.stop()
-        cpu = router_s / max(1, len(lat)) * 1e6
+    elapsed, cpu, share, gen, others = await timed_run(
+        run, concurrency, warm_until, seconds, lat, cpu_pid, load_pids or [])
     for c in conns:
         c.close()
     lat.sort()
@@ -207,6 +200,25 @@ async def _phase(ports: list[int], target: str, body: bytes, stream: bool, concu
     return PhaseResult(target, stream, concurrency, len(lat), elapsed, len(lat) / elapsed,
                        _pct(lat, 50) * 1e3, _pct(lat, 99) * 1e3, _pct(ttfbs, 50) * 1e3, cpu,
                        share, gen, others)
+
+
+async def timed_run(
+    run: Callable[[int, float, bool], Awaitable[None]], concurrency: int, warm_until: float,
+    seconds: float, lat: list[float], cpu_pid: int | None, load_pids: list[int],
+) -> tuple[float, float | None, float | None, float | None, float | None]:
+    """Run ``run(i, until, record)`` on every connection: unrecorded until ``warm_until``,
+    then ``seconds`` recorded (into ``lat``), watching the router's CPU when ``cpu_pid``
+    is given.  ``(elapsed s, router CPU us per request, router share, load-side share,
+    others' CPU in cores)``; the CPU figures are ``None`` without ``cpu_pid``."""
+    await asyncio.gather(*(run(i, warm_until, False) for i in range(concurrency)))
+    watch = _CpuWatch(cpu_pid, [os.getpid(), *load_pids]) if cpu_pid is not None else None
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(i, t0 + seconds, True) for i in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    if watch is None:
+        return elapsed, None, None, None, None
+    router_s, share, gen, others = watch.stop()
+    return elapsed, router_s / max(1, len(lat)) * 1e6, share, gen, others
 
 
 def _pct(values: list[float], p: float) -> float:
