@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,8 +35,14 @@ import pytest
 import redis
 from hypothesis import settings
 
+from tests.ports import free_port
+
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-settings.register_profile("dev", derandomize=False, print_blob=True)
+# "dev" derives from Hypothesis's own default profile, not from whatever is loaded now:
+# under a CI environment variable Hypothesis loads its CI profile (no database) at import.
+settings.register_profile(
+    "dev", parent=settings.get_profile("default"), derandomize=False, print_blob=True
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # As kvroute's command line does (kvroute/cli.py): tokenise on the calling thread.
@@ -61,12 +66,6 @@ def _redis_server_binary() -> str:
     )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -53,6 +53,7 @@ def test_runs_repeat_exactly_leave_no_database_and_dev_randomises(tmp_path: Path
         if profile:
             env["HYPOTHESIS_PROFILE"] = profile
         env["RECORD_TO"] = str(tmp_path / name)
+        env["PYTHONPATH"] = str(REPO)  # the conftest imports the suite's helpers
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
              "--rootdir", str(tmp_path), str(tmp_path)],

@@ -37,7 +37,9 @@ import openai
 import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_fleet import VllmReplica, free_port, log_tail
+from vllm_fleet import VllmReplica, log_tail
+
+from tests.ports import free_port
 
 SYSTEM = (
     "You are the support assistant of a bicycle repair shop. Answer in one short sentence, "

@@ -56,12 +56,13 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm_fleet import EventTap, VllmReplica, free_port, log_tail
+from vllm_fleet import EventTap, VllmReplica, log_tail
 
 from index.events import ClearedEvent, RemovedEvent, StoredEvent
 from kvkeys.types import EngineKey
 from prompt.keyer import Prompt
 from prompt.registry import ModelSpec, RendererRegistry
+from tests.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -39,17 +38,12 @@ import zmq
 
 from index.events import DecodedBatch, decode_batch
 from replica.vllm.launcher import VllmReplicaSpec, dial_endpoint, launch
+from tests.ports import free_port
 
 END_SEQ = b"\xff" * 8
 """The replay end marker's sequence frame (``(-1).to_bytes(8, "big", signed=True)``)."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

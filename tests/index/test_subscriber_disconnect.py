@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from index.subscriber import BindSubscriber, ConnectSubscriber, EventSource, Sub
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId
 from replica.sim.kv_publisher import KVEventPublisher
+from tests.ports import free_port
 
 R = ReplicaId("r1")
 MODEL = "m"
@@ -67,11 +67,6 @@ async def held_becomes(index: InMemoryIndex, seed: int, blocks: int, timeout: fl
         await asyncio.sleep(0.01)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Recorder:

@@ -4,7 +4,6 @@ event loop (httptools, like production), stopped and awaited on exit."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,13 +13,6 @@ from starlette.applications import Starlette
 from router.config import ConnectionSettings
 from router.conn_guard import guarded_protocol
 from router.listen import bind_socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class _Server(uvicorn.Server):

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.config import ConfigError, RouterSettings
+from tests.ports import free_port
 from tests.router.fake_replica import FakeReplica
 from tests.router.helpers import FAST_HEALTH, chat
-from tests.router.server import free_port, run_server
+from tests.router.server import run_server
 from tests.router.test_membership import eventually
 
 KEY = "correct horse battery staple"

@@ -23,9 +23,9 @@ from router.app import create_app
 from router.config import RouterSettings
 from router.conn_guard import GuardedHttpToolsProtocol
 from router.serving import _GC_YOUNG, _tune_gc, _uvicorn_config
+from tests.ports import free_port
 from tests.router.conftest import StartFakes
 from tests.router.helpers import chat, measure_ttfb
-from tests.router.server import free_port
 
 
 def test_kvroute_help(capsys: pytest.CaptureFixture[str]) -> None:

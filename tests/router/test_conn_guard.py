@@ -21,10 +21,11 @@ from prometheus_client import CollectorRegistry
 
 from router.app import create_app
 from router.config import ConnectionSettings
+from tests.ports import free_port
 from tests.router.conftest import StartFakes
 from tests.router.fake_replica import FakeReplica
 from tests.router.helpers import chat, router_settings, scrape
-from tests.router.server import free_port, run_server
+from tests.router.server import run_server
 
 # Short timeouts so the tests are quick; the asserts leave seconds of slack for a loaded
 # machine (they check that a stalled connection is closed, never how fast).

@@ -5,9 +5,9 @@ from __future__ import annotations
 import aiohttp
 import orjson
 
+from tests.ports import free_port
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, scrape
-from tests.router.server import free_port
 
 
 def _labels(**kw: str) -> tuple[tuple[str, str], ...]:

@@ -14,7 +14,7 @@ from replica.sim.server import start_sim
 from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.config import RouterSettings
 from router.indexer_cli import run_indexer
-from tests.router.server import free_port
+from tests.ports import free_port
 
 MODEL = "sim-llama"
 

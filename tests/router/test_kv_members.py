@@ -10,7 +10,7 @@ from index.ingestion import SourceSpec
 from index.memory import InMemoryIndex
 from kvkeys.types import EngineKey, ReplicaId, RequestKey
 from router.kv_members import MemberIngestion
-from tests.router.server import free_port
+from tests.ports import free_port
 
 R0, R1 = ReplicaId("r0"), ReplicaId("r1")
 

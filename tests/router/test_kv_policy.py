@@ -25,7 +25,7 @@ from router.load import LoadTracker
 from router.metrics import KvMetrics
 from router.policy import Receipt, RouteRequest
 from router.scoring import ScoringWeights
-from tests.router.server import free_port
+from tests.ports import free_port
 
 MODEL = "tiny"
 R = [ReplicaId(f"r{i}") for i in range(4)]

@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry
 from router.app import create_app
 from router.config import RouterSettings
 from router.membership_sources import Resolver
+from tests.ports import free_port
 from tests.router.fake_replica import Behaviour, FakeReplica
 from tests.router.helpers import FAST_HEALTH, chat, scrape
-from tests.router.server import free_port, run_server
+from tests.router.server import run_server
 
 
 @pytest.fixture

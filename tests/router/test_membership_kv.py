@@ -21,7 +21,8 @@ from replica.sim.server import SimHandle, start_sim
 from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.app import create_app
 from router.config import RouterSettings
-from tests.router.server import free_port, run_server
+from tests.ports import free_port
+from tests.router.server import run_server
 from tests.router.test_kv_integration import MODEL, Conversation, Fleet, Turn, send
 from tests.router.test_membership import _eq, eventually, healthy, states
 

@@ -13,7 +13,7 @@ from replica.sim.server import SimHandle, start_sim
 from replica.vllm.tiny_tokenizer import build_tokenizer
 from router.horizon import HorizonEstimator, PoolSample
 from router.scrape import MetricsScraper, ScrapeSample, parse_vllm_metrics
-from tests.router.server import free_port
+from tests.ports import free_port
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

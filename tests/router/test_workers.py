@@ -21,9 +21,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from replica.vllm.tiny_tokenizer import build_tokenizer
+from tests.ports import free_port, free_ports
 from tests.router.fake_replica import Behaviour, FakeReplica
 from tests.router.helpers import chat, scrape
-from tests.router.server import free_port
 from tests.router.test_kv_integration import MODEL, Conversation, Fleet, Turn, send
 from tests.router.test_membership_kv import sim
 
@@ -110,7 +110,8 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
 ) -> None:
     tok = build_tokenizer(tmp_path / "tok", template="llama3")
     sims = [await stack.enter_async_context(sim(tok, i)) for i in range(3)]
-    port, admin_port = free_port(), free_port()
+    port = free_port()
+    admin_port = free_ports(2, consecutive=True)[0]  # worker i listens on admin.port + i
     config = {
         "replicas": [{"url": s.url, "id": f"r{i}"} for i, s in enumerate(sims)],
         "policy": "kv",
