@@ -146,7 +146,7 @@ def _stored_events(replicas: int, tokenizer: str) -> list[list[Any]]:
         for b in range(len(tokens) // BLOCK_SIZE):
             out[c % replicas].append(BlockStored(
                 block_hashes=[engine_key], parent_block_hash=parent,
-                token_ids=tokens[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE], block_size=BLOCK_SIZE,
+                token_ids=list(tokens[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]), block_size=BLOCK_SIZE,
                 lora_id=None, medium="GPU", lora_name=None, group_idx=0,
                 kv_cache_spec_kind="full_attention"))
             parent = engine_key

@@ -74,11 +74,12 @@ def validate_cache_salt(cache_salt: object) -> str | None:
 class Prompt:
     """One prompt, tokenised and keyed exactly as the engine will see it.
 
-    ``token_ids`` and ``block_keys`` are lists for speed; treat them as read-only (the
-    renderer keeps them to build the conversation's next turn from).
+    ``token_ids`` (a list, or ``prompt.token_ids.TokenIds`` when rendered here) and
+    ``block_keys`` are read-only: the renderer keeps them to build the conversation's
+    next turn from.
     """
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_keys: list[RequestKey]
     block_size: int
     model: str

@@ -120,7 +120,7 @@ class Tokenized:
     pieces no longer add up to the ids, so keys are computed from the ids).  Read-only:
     the lists may be the conversation's cached prompt's."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     segments: list[Segment] | None
     block_keys: list[RequestKey] | None = None
     """The keys, when the renderer was given a ``Keying`` and computed them."""
@@ -196,7 +196,7 @@ class ModelRenderer:
         split = self.encoder.split(text, previous.split if previous is not None else None)
         if request.truncate_prompt_tokens is not None:
             self.conversations.remember(CachedPrompt(built, loops, split), replacing=previous)
-            ids = split.ids
+            ids = split.ids.tolist()
             cut = self._truncate(ids, 0, 0, request.truncate_prompt_tokens,
                                  request.truncation_side)
             return Tokenized(ids, split.segments) if cut is ids else Tokenized(cut, None)

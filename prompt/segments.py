@@ -47,7 +47,8 @@ if two texts agree on their first ``P`` characters, every cut ending at or befor
 of its own from there.  ``split`` finds ``P`` by comparing the texts (memcmp speed),
 takes the previous segments up to the last such cut and cuts only the remainder.
 Reused pieces are not refreshed in the LRU (they are not looked up).  The ids up to
-that cut are a copy of the previous split's (a split is a value: nothing changes it).
+that cut are the previous split's, shared without a copy (``prompt.token_ids``: a split is
+a value, and nothing it can see ever changes).
 
 The encoder is not thread-safe; it belongs to one event loop.
 """
@@ -65,6 +66,7 @@ from operator import itemgetter
 from tokenizers import Tokenizer
 
 from prompt.added_tokens import build_splitters
+from prompt.token_ids import TokenIds
 from prompt.words import DEFAULT_MAX_WORDS, WordEncoder
 
 Segment = tuple[int, Sequence[int]]
@@ -111,7 +113,7 @@ class TextSplit:
 
     text: str
     segments: list[Segment]
-    ids: list[int]
+    ids: TokenIds
     offsets: array[int]
     counts: array[int]
     tokens: array[int]
@@ -175,11 +177,10 @@ class SegmentEncoder:
         """``segments(text)``, keeping the cuts it shares with ``previous`` (module doc)."""
         if not self.splittable or self._raw_split is None:
             pieces = self._pieces(text)
-            ids = [i for _, piece in pieces for i in piece]
+            ids = TokenIds.of(i for _, piece in pieces for i in piece)
             return TextSplit(text, pieces, ids, array("q"), array("q"), array("q"))
         start = shared = kept = 0
         segments: list[Segment] = []
-        ids = []
         offsets: array[int] = array("q")
         counts: array[int] = array("q")
         tokens: array[int] = array("q")
@@ -191,17 +192,27 @@ class SegmentEncoder:
                 segments = previous.segments[:shared]
                 offsets, counts = previous.offsets[:kept], previous.counts[:kept]
                 tokens = previous.tokens[:kept]
-                ids = previous.ids[: tokens[-1]]
                 self.stats.reused += shared
         self._cut(text[start:] if start else text, segments, start, offsets, counts)
         # The ids of the segments cut just now, and the token counts at their cuts.
+        keep = tokens[-1] if kept else 0
+        new: list[int] = []
         cut = kept
         for n, (_, piece) in enumerate(segments[shared:], shared + 1):
-            ids.extend(piece)
+            new.extend(piece)
             if cut < len(counts) and counts[cut] == n:
-                tokens.append(len(ids))
+                tokens.append(keep + len(new))
                 cut += 1
         assert len(tokens) == len(offsets)
+        # The ids up to the last cut that every longer text starting with this one makes
+        # too extend the conversation's stem (the next turn keeps them); the rest are this
+        # text's own (``prompt.token_ids``).
+        stable = bisect_right(offsets, len(text) - self._longest_added + 1)
+        stem_end = max(tokens[stable - 1] if stable else 0, keep) - keep
+        tail = new[stem_end:]
+        del new[stem_end:]
+        ids = (previous.ids.extend(keep, new, tail) if kept and previous is not None
+               else TokenIds(new, len(new), tail))
         return TextSplit(text, segments, ids, offsets, counts, tokens, shared)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:

@@ -27,6 +27,7 @@ extensions of earlier ones, as a client's are.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -107,7 +108,7 @@ def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _first_difference(a: list[int], b: list[int]) -> str:
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return f"first difference at token {i}: {x} != {y}"
