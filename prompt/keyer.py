@@ -43,12 +43,15 @@ MAX_CACHE_SALT_LENGTH = 128
 _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
 
 DEFAULT_MAX_KEY_NODES = 200_000
-"""Memoised chain states, in units of about 200 bytes: a state costs one unit plus one
-per ``_KEYS_PER_UNIT`` block keys it holds (a state after a long segment holds many),
-so the trie stays under ``max_nodes`` x 200 bytes (~40 MB by default, some 5,000
-ten-turn conversations)."""
+"""Memoised chain states, in units of about 200 bytes: a state costs ``_STATE_UNITS``
+plus one per ``_KEYS_PER_UNIT`` block keys it holds (a state after a long segment holds
+many), so the trie stays under ``max_nodes`` x 200 bytes (~40 MB by default, some
+3,000 ten-turn conversations)."""
+_STATE_UNITS = 3
+"""Units of one state: the object, its children dict, its leftover-token tuple and its
+key list (measured: about 530 bytes)."""
 _KEYS_PER_UNIT = 5
-"""Block keys per unit: a key is an int (32 bytes) and its list slot (8)."""
+"""Block keys per unit: a key is an int (36 bytes) and its list slot (8)."""
 
 
 def validate_cache_salt(cache_salt: object) -> str | None:
@@ -138,6 +141,10 @@ class KeyTrail:
     ctx: KeyContext
     nodes: tuple[_Node, ...]
     keys: list[RequestKey]
+    generation: int = 0
+    """The keyer's trie generation the nodes belong to: a later
+    prompt resumes from them only in the same generation, so a dropped trie is not grown
+    on (and kept alive) through the trails of remembered prompts."""
 
 
 class PromptKeyer:
@@ -156,6 +163,8 @@ class PromptKeyer:
         self._roots: dict[KeyContext, _Node] = {}
         self.misses = 0
         self.resets = 0
+        self._generation = 0
+        """Bumped whenever the trie is dropped (``KeyTrail.generation``)."""
 
     def keys(self, ctx: KeyContext, segments: Sequence[Segment]) -> list[RequestKey]:
         """``block_keys`` of the concatenated segment ids under ``ctx``."""
@@ -177,7 +186,8 @@ class PromptKeyer:
         (the caller guarantees that the first ``shared`` segments are ``previous``'s),
         the walk starts from ``previous``'s state after them.
         """
-        if previous is not None and previous.ctx == ctx and 0 < shared <= len(previous.nodes):
+        if (previous is not None and previous.ctx == ctx and previous.generation == self._generation
+                and 0 < shared <= len(previous.nodes)):
             nodes = list(previous.nodes[:shared])
             start = nodes[-1]
             out = previous.keys[: start.n_blocks]
@@ -186,7 +196,7 @@ class PromptKeyer:
             nodes = []
             out = []
             self._walk(ctx, self._root(ctx), segments, out, nodes)
-        return KeyTrail(ctx, tuple(nodes), out)
+        return KeyTrail(ctx, tuple(nodes), out, self._generation)
 
     def _root(self, ctx: KeyContext) -> _Node:
         node = self._roots.get(ctx)
@@ -261,24 +271,26 @@ class PromptKeyer:
                 done = blocks
                 node.children[serial] = child
                 self.misses += 1
-                self._count_node(1 + len(child.keys) // _KEYS_PER_UNIT)
+                self._count_node(_STATE_UNITS + len(child.keys) // _KEYS_PER_UNIT)
                 node = child
             if nodes is not None:
                 nodes.append(node)
 
-    def _count_node(self, units: int = 1) -> None:
+    def _count_node(self, units: int = _STATE_UNITS) -> None:
         self._nodes += units
         if self._nodes > self._max_nodes:
             # Drop every memoised state; nodes already reached stay valid for the
             # prompt being keyed (they are plain values), and regrow from the roots.
             self._roots.clear()
             self._nodes = 0
+            self._generation += 1
             self.resets += 1
 
     def clear(self) -> None:
         """Forget every memoised state."""
         self._roots.clear()
         self._nodes = 0
+        self._generation += 1
 
 
 __all__ = [

@@ -219,12 +219,12 @@ class WordEncoder:
             if m is None or m.end() != len(word):
                 return False
         ints, size = self._ints, len(self._ints)
-        tokenize, table = self._tokenize, self._byte_chars
+        tokenize, table, known = self._tokenize, self._byte_chars, self._words
         for word in words:
-            self._words[word] = [
+            known[word] = [
                 ints[t.id] if t.id < size else t.id for t in tokenize(word.translate(table))
             ]
-            self._chars += len(word)
+        self._chars += sum(map(len, words))
         self.words_encoded += len(words)
         return True
 

@@ -182,3 +182,23 @@ def test_keyer_reuses_the_shared_prefix() -> None:
     misses = keyer.misses
     keyer.keys(ctx, [*first, (3, [1, 2, 3, 4, 5])])
     assert keyer.misses == misses + 1
+
+
+def test_a_trail_from_a_dropped_trie_is_not_grown_on() -> None:
+    # A remembered prompt's trail holds chain states of the trie it was keyed in.  After
+    # the trie is dropped (budget reset), the next turn must key from the new trie: growing
+    # the old states would keep the dropped trie alive through the memo, without bound.
+    keyer = PromptKeyer(max_nodes=10)
+    ctx = KeyContext(model="m", block_size=4)
+    first = [(1, list(range(10))), (2, list(range(10, 20)))]
+    trail = keyer.trail(ctx, first)
+    keyer.keys(ctx, [(serial, [serial] * 40) for serial in range(3, 9)])  # over the budget
+    assert keyer.resets >= 1
+    second = [*first, (9, [7] * 9)]
+    flat = [t for _, ids in second for t in ids]
+    resumed = keyer.trail(ctx, second, previous=trail, shared=2)
+    assert resumed.keys == block_keys(flat, 4, model="m")
+    assert not set(map(id, resumed.nodes)) & set(map(id, trail.nodes))
+    assert not trail.nodes[-1].children  # the old state was not extended
+    again = keyer.trail(ctx, [*second, (10, [1] * 4)], previous=resumed, shared=3)
+    assert again.nodes[:3] == resumed.nodes  # same generation: resumed as before
