@@ -27,6 +27,7 @@ def test_rss_levels_off_at_the_configured_budget() -> None:
     start, *fifths = marks
     # the memos fill in the first half of the stream (about 15 MB of budgets), then
     # eviction holds them: the second half adds next to nothing.  Without bounds in
-    # bytes the same stream grew some 5 MB per 100 requests.
-    assert fifths[-1] - fifths[2] < 6.0, marks
+    # bytes the same stream grew some 5 MB per 100 requests; with a dropped key trie
+    # kept alive through the memo's trails, some 3 MB per 400 (16 MB in all).
+    assert fifths[-1] - fifths[2] < 4.0, marks
     assert fifths[-1] - start < 60.0, marks
