@@ -204,9 +204,10 @@ def scale_think(trace: Sequence[TraceRequest], factor: float) -> list[TraceReque
     return [replace(r, think_s=r.think_s * factor) for r in trace]
 
 
-def reexec_in_netns(env_name: str, argv: Sequence[str]) -> int:
-    """Run ``kvroute <argv>`` again inside a new loopback-only network namespace and
-    delete the namespace afterwards (peer routers must not reach the network)."""
+def reexec_in_netns(env_name: str, argv: Sequence[str], module: str = "kvroute") -> int:
+    """Run ``python -m <module> <argv>`` again inside a new loopback-only network
+    namespace and delete the namespace afterwards (peer routers must not reach the
+    network)."""
     import os
     import subprocess
     import sys
@@ -217,7 +218,7 @@ def reexec_in_netns(env_name: str, argv: Sequence[str]) -> int:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
                        check=True)
         proc = subprocess.run(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "kvroute", *argv],
+            ["ip", "netns", "exec", name, sys.executable, "-m", module, *argv],
             env={**os.environ, env_name: name}, check=False,
         )
         return proc.returncode

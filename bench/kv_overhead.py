@@ -1,7 +1,8 @@
 """What kv routing costs through the proxy: ``round_robin``, ``session`` and ``kv`` in one run.
 
 ``python -m bench.kv_overhead [--replicas N] [--phase-s S] [--rounds R] [--tokenizer DIR]
-[--profile-s S] [--py-spy PATH] [--out FILE]``
+[--peers standard] [--peer SPEC] [--peer-bin DIR] [--profile-s S] [--py-spy PATH]
+[--out FILE]``
 
 The ``kv`` policy as it runs in production:
 
@@ -16,10 +17,12 @@ The ``kv`` policy as it runs in production:
   messages, so the router renders a new tail after a known history, like a next turn.
 
 One router process, one run: the policy is chosen per request with the policy header,
-and the phases of the three policies and of the direct path are interleaved round by
-round (best round kept).  Measured at concurrency 1 (p50/p99, added against direct) and
-32 (req/s, router CPU per request), non-streaming.  The router's decisions are read
-from its ``/metrics`` afterwards (``kv`` must decide on hits, or the run proves nothing).
+and the phases of the three policies, of each peer router (``bench.overhead_peers``: in
+front of the same replicas, inside a loopback-only network namespace) and of the direct
+path are interleaved round by round (best round kept).  Measured at concurrency 1
+(p50/p99, added against direct) and 32 (req/s, router CPU per request), non-streaming.
+The router's decisions are read from its ``/metrics`` afterwards (``kv`` must decide on
+hits, or the run proves nothing).
 
 ``--profile-s S`` then samples the router with ``py-spy`` (``--py-spy``, else on
 ``PATH``) for S seconds of ``kv`` load at concurrency 32 and prints where its CPU goes,
@@ -44,7 +47,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.overhead_upstreams import ReplicaProtocol, chat_body
+from bench.compare import PeerSpec, reexec_in_netns
+from bench.overhead_peers import (
+    RenderingReplica,
+    RunningPeer,
+    standard_peers,
+    start_peers,
+    stop_peers,
+)
+from bench.overhead_upstreams import chat_body
 from bench.proxy_overhead import (
     PhaseResult,
     _Conn,
@@ -56,6 +67,8 @@ from bench.proxy_overhead import (
 )
 
 MODEL = "bench-model"
+NETNS_ENV = "KVROUTE_BENCH_NETNS"
+"""Set (to its name) inside the network namespace the benchmark re-executed itself in."""
 BLOCK_SIZE = 16
 CONVERSATIONS = 32
 TAILS = 8
@@ -117,7 +130,7 @@ def _serve_kv_replicas(ports: list[int], event_ports: list[int], tokenizer: str)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(ReplicaProtocol, "127.0.0.1", p, backlog=1024)
+        servers = [await loop.create_server(RenderingReplica, "127.0.0.1", p, backlog=1024)
                    for p in ports]
         tasks = [asyncio.create_task(publish(i)) for i in range(len(ports))]
         stop = asyncio.Event()
@@ -196,14 +209,16 @@ async def phase(ports: list[int], target: str, policy: str | None, concurrency: 
 
 
 async def measure(replica_ports: list[int], router_port: int, phase_s: float, rounds: int,
-                  router_pid: int, replicas_pid: int) -> dict[str, dict[int, PhaseResult]]:
-    """Best round per (target, concurrency); targets: direct and each policy."""
+                  router_pid: int, replicas_pid: int,
+                  peers: list[RunningPeer]) -> dict[str, dict[int, PhaseResult]]:  # fmt: skip
+    """Best round per (target, concurrency); targets: direct, each policy, each peer."""
     best: dict[str, dict[int, PhaseResult]] = {}
     for concurrency in (1, 32):
         for _ in range(rounds):
             targets: list[tuple[str, str | None, list[int], int | None]] = [
                 ("direct", None, replica_ports, None)]
             targets += [(p, p, [router_port], router_pid) for p in POLICIES]
+            targets += [(x.spec.name, None, [x.port], x.proc.pid) for x in peers]
             for name, policy, ports, pid in targets:
                 r = await phase(ports, name, policy, concurrency, phase_s, pid, [replicas_pid])
                 cur = best.setdefault(name, {}).get(concurrency)
@@ -214,7 +229,7 @@ async def measure(replica_ports: list[int], router_port: int, phase_s: float, ro
                 cpu = (f" router CPU {r.router_cpu_us_per_request:.0f} us/req"
                        f" (share {r.cpu_share:.2f}, others {r.others_cpu:.2f} cores)"
                        if r.router_cpu_us_per_request is not None else "")
-                print(f"  c={concurrency:<3} {name:11} {r.rps:7.0f} req/s p50 {r.p50_ms:6.3f} "
+                print(f"  c={concurrency:<3} {name:20} {r.rps:7.0f} req/s p50 {r.p50_ms:6.3f} "
                       f"ms p99 {r.p99_ms:7.3f} ms{cpu}", flush=True)
     return best
 
@@ -315,7 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", default=shutil.which("py-spy"), help="the py-spy binary")
     p.add_argument("--out", type=Path, default=Path("/tmp/kvroute-kv-overhead.json"))
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument("--peers", choices=("none", "standard"), default="none",
+                   help="standard: sglang-router cache_aware, vllm-router cache_aware and "
+                        "consistent_hash in front of the same replicas (bench.overhead_peers)")
+    p.add_argument("--peer", action="append", default=[], metavar="SPEC",
+                   help="another peer router: name=...;cmd=... {port} {workers} {aux}")
+    p.add_argument("--peer-bin", type=Path, default=None,
+                   help="directory of the peers' binaries (default: PATH)")
     args = p.parse_args(argv)
+    peer_specs = (standard_peers(args.peer_bin) if args.peers == "standard" else [])
+    peer_specs += [PeerSpec.parse(spec) for spec in args.peer]
+    if peer_specs and not os.environ.get(NETNS_ENV):
+        # peer routers may try to download tokenizers: they run only where nothing leaves
+        return reexec_in_netns(NETNS_ENV, list(argv if argv is not None else sys.argv[1:]),
+                               module="bench.kv_overhead")
     pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     import uvloop
 
@@ -336,24 +364,29 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     router = subprocess.Popen([str(Path(sys.executable).with_name("kvroute")), "serve",
                                "--config", str(config)], env=env)
+    peers = start_peers(peer_specs, replica_ports, _free_port, work)
     try:
         _pin(replicas.pid, {0}, pin)
-        _pin(router.pid, {1}, pin)
+        for pid in (router.pid, *(x.proc.pid for x in peers)):
+            _pin(pid, {1}, pin)
         for port in replica_ports:
             _wait_http(port, "/health")
         _wait_http(router_port, "/ready")
+        for x in peers:
+            _wait_http(x.port, x.spec.ready_path)
         load_before = os.getloadavg()
         print(f"kv overhead: {args.replicas} replicas, {CONVERSATIONS} conversations of "
               f"{len(bodies(0)[0]) / 1024:.1f} KB, tokenizer {tok}, {args.rounds} x "
               f"{args.phase_s}s, pinned={pin}, load average {load_before[0]:.1f} "
               f"(a shared machine slows every figure)", flush=True)
         best = uvloop.run(measure(replica_ports, router_port, args.phase_s, args.rounds,
-                                  router.pid, replicas.pid))
+                                  router.pid, replicas.pid, peers))
         decisions = _decisions(router_port)
         shares = (profile(args.py_spy, router.pid, router_port, replica_ports,
                           args.profile_s, args.out) if args.profile_s and args.py_spy else {})
         load_after = os.getloadavg()
     finally:
+        stop_peers(peers)
         for proc in (router, replicas):
             proc.send_signal(signal.SIGTERM)
         for proc in (router, replicas):
@@ -362,11 +395,12 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    report = _report(best, decisions, shares)
+    report = _report(best, decisions, shares, [x.spec.name for x in peers])
     args.out.write_text(json.dumps({
         "replicas": args.replicas, "phase_s": args.phase_s, "rounds": args.rounds,
         "loadavg_before": load_before, "loadavg_after": load_after, "pinned": pin,
-        "tokenizer": str(tok), "summary": report, "decisions": decisions,
+        "tokenizer": str(tok), "peers": [x.command for x in peer_specs],
+        "summary": report, "decisions": decisions,
         "cpu_by_component": shares,
         "best": {k: {str(c): asdict(r) for c, r in v.items()} for k, v in best.items()},
     }, indent=2))
@@ -375,25 +409,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(best: dict[str, dict[int, PhaseResult]], decisions: dict[str, float],
-            shares: dict[str, float]) -> dict[str, Any]:
+            shares: dict[str, float], peers: list[str]) -> dict[str, Any]:
     direct = best["direct"]
     rr = best["round_robin"][32]
+    rr_cpu = rr.router_cpu_us_per_request or float("nan")
     out: dict[str, Any] = {}
-    print("\npolicy       added p50   added p99   c32 req/s   CPU us/req   CPU vs rr")
-    for name in POLICIES:
+    print(f"\n{'router':24} added p50   added p99   c32 req/s   CPU us/req   CPU vs rr")
+    for name in (*POLICIES, *peers):
         c1, c32 = best[name][1], best[name][32]
         cpu = c32.router_cpu_us_per_request or float("nan")
-        rr_cpu = rr.router_cpu_us_per_request or float("nan")
         row = {"added_p50_ms": c1.p50_ms - direct[1].p50_ms,
                "added_p99_ms": c1.p99_ms - direct[1].p99_ms,
                "rps_c32": c32.rps, "rps_c32_vs_round_robin": c32.rps / rr.rps,
                "cpu_us_per_request_c32": cpu, "cpu_vs_round_robin": cpu / rr_cpu}
         out[name] = row
-        print(f"{name:12} {row['added_p50_ms']:7.3f} ms {row['added_p99_ms']:8.3f} ms "
+        label = f"kvroute {name}" if name in POLICIES else name
+        print(f"{label:24} {row['added_p50_ms']:7.3f} ms {row['added_p99_ms']:8.3f} ms "
               f"{c32.rps:9.0f} {cpu:11.0f} {row['cpu_vs_round_robin']:9.2f}x")
+    kv = out["kv"]
+    for name in peers:
+        kv[f"rps_c32_vs_{name.replace(' ', '_')}"] = kv["rps_c32"] / out[name]["rps_c32"]
     print(f"direct c32: {direct[32].rps:.0f} req/s; kv decisions: " + ", ".join(
         f"{k.split('/', 1)[1]} {v:.0f}" for k, v in sorted(decisions.items())
         if k.startswith("kv/")))
+    if peers:
+        print("kv's c=32 throughput against each peer: " + ", ".join(
+            f"{name} {kv['rps_c32'] / out[name]['rps_c32']:.1f}x" for name in peers))
     if shares:
         print("router CPU under kv load, by component: " + ", ".join(
             f"{k} {v:.0%}" for k, v in shares.items()))

@@ -40,3 +40,51 @@ def test_profile_frames_are_grouped_by_component() -> None:
     assert component("decide (router/kv_policy.py:3)") == "scoring"
     assert component("parse_body (router/request.py:116)") == "JSON + request parsing"
     assert component("mystery (elsewhere.py:1)") == "other"
+
+
+async def test_the_fake_replicas_render_like_vllm_for_the_peers() -> None:
+    # vllm-router's cache_aware asks every worker's /render (then /tokenize) for token ids:
+    # the fake replicas answer both over real HTTP, with ids a later turn extends.
+    import asyncio
+
+    import aiohttp
+
+    from bench.overhead_peers import RenderingReplica, toy_token_ids
+    from tests.ports import free_port
+
+    port = free_port()
+    server = await asyncio.get_running_loop().create_server(
+        RenderingReplica, "127.0.0.1", port)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        shorter = json.loads(bodies(0)[0])
+        shorter["messages"] = shorter["messages"][:-2]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.post(url + "/v1/chat/completions/render",
+                                 data=bodies(0)[0]) as resp:
+                rendered = await resp.json()
+            async with http.post(url + "/tokenize", json=shorter) as resp:
+                tokenized = await resp.json()
+            async with http.post(url + "/v1/chat/completions", data=bodies(0)[0]) as resp:
+                chat = await resp.json()
+        ids = rendered["token_ids"]
+        assert ids == toy_token_ids(bodies(0)[0]) and len(ids) > 5000
+        assert tokenized["count"] == len(tokenized["tokens"]) < len(ids)
+        assert ids[: len(tokenized["tokens"])] == tokenized["tokens"]
+        assert chat["object"] == "chat.completion"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_missing_peer_binaries_are_named(tmp_path: Path) -> None:
+    import pytest
+
+    from bench.overhead_peers import standard_peers
+
+    with pytest.raises(SystemExit, match="pip install sglang-router vllm-router"):
+        standard_peers(tmp_path)
+    for exe in ("smg", "vllm-router"):
+        (tmp_path / exe).write_text("")
+    names = [p.name for p in standard_peers(tmp_path)]
+    assert names == ["sglang cache_aware", "vllm cache_aware", "vllm consistent_hash"]
