@@ -211,8 +211,14 @@ class Fleet:
 
     async def reset_caches(self, timeout_s: float = 30.0) -> None:
         """Empty every replica's prefix cache (``POST /reset_prefix_cache``), retrying
-        while requests still hold blocks, so the next run starts from equal caches."""
+        while requests still hold blocks, so the next run starts from equal caches.
+
+        As vLLM does, a replica publishes the reset (``AllBlocksCleared``) with its next
+        engine step, so each then runs one step (a one-token prompt: no full block, so
+        nothing is cached): a router started next replays the reset too, instead of
+        routing its first requests on the previous run's blocks."""
         deadline = time.monotonic() + timeout_s
+        step = {"model": self.spec.model, "prompt": "reset", "max_tokens": 1}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http:
             for url in self.replica_urls:
                 while True:
@@ -223,6 +229,10 @@ class Fleet:
                             raise FleetError(f"{url} would not reset its prefix cache "
                                              f"(HTTP {resp.status})")
                     await asyncio.sleep(0.1)
+                async with http.post(url + "/v1/completions", json=step) as resp:
+                    if resp.status != 200:
+                        raise FleetError(f"{url} did not run a step after its reset "
+                                         f"(HTTP {resp.status}: {(await resp.text())[:200]})")
 
     async def _wait_sim(self, child: _Child) -> str:
         """The URL a replica prints on its first stdout line, once it answers /health."""

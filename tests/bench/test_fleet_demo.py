@@ -52,6 +52,41 @@ async def test_fleet_cleans_up_on_error_and_on_cancel(llama3_dir: Path) -> None:
     assert seen and not any(alive(p) for p in seen)
 
 
+@pytest.mark.slow
+async def test_a_router_started_after_a_reset_does_not_route_on_the_old_blocks(
+    llama3_dir: Path,
+) -> None:
+    # A replica publishes its reset with its next engine step (as vLLM does); the fleet
+    # runs that step, so the next target's router replays the reset and predicts nothing.
+    import aiohttp
+
+    spec = FleetSpec(tokenizer=llama3_dir, replicas=1, router=False, num_blocks=128,
+                     time_scale=0.05)
+    body = {"model": spec.model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "tell me about blocks " * 40}]}
+
+    async def send(http: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            usage = (await resp.json())["usage"]
+            predicted = int(resp.headers.get("x-kvroute-predicted-cached-tokens", "0"))
+        return predicted, (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    async with Fleet(spec) as fleet, aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async with fleet.router("kv") as url:
+            await send(http, url)
+            for _ in range(100):  # until the replica's events reached the router
+                predicted, cached = await send(http, url)
+                if predicted > 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert predicted == cached > 0
+        await fleet.reset_caches()
+        async with fleet.router("kv") as url:
+            assert await send(http, url) == (0, 0)
+
+
 async def test_a_replica_that_cannot_start_is_reported(tmp_path: Path) -> None:
     spec = FleetSpec(tokenizer=tmp_path / "missing", replicas=1, router=False)
     with pytest.raises(FleetError, match="replica0"):
