@@ -32,6 +32,8 @@ from typing import Any, Literal
 import orjson
 import xxhash
 
+from prompt.token_ids import TokenIds
+
 __all__ = [
     "BreakCause",
     "PrefixBreak",
@@ -64,6 +66,8 @@ _OPTION_FIELDS = (
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as 4-byte unsigned ints (the form sessions keep)."""
+    if isinstance(tokens, TokenIds):
+        return tokens.to_array("I").tobytes()
     return array("I", tokens).tobytes()
 
 

@@ -28,6 +28,7 @@ def test_turns_built_from_any_earlier_turn_keep_their_ids(
         for turn, model in zip(turns, models, strict=True):
             assert turn == model and model == turn
             assert len(turn) == len(model) and list(turn) == model
+            assert turn.tolist() == model and turn.to_array().tolist() == model
     last, model = turns[-1], models[-1]
     n = len(model)
     for start in range(-n - 1, n + 2):
