@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="timing profile of the simulated engine")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
                    help="comma-separated policies to replay")
+    p.add_argument("--breakdown", metavar="BASELINE", default=None,
+                   help="also compare every other policy with BASELINE turn by turn "
+                        "(stay/move and reason; kvroute.replay.breakdown)")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure")
     p.set_defaults(func=_main)
 
@@ -86,6 +89,7 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
 
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    from kvroute.replay.breakdown import breakdown, format_breakdown
     from kvroute.replay.loop import ReplayConfig, replay
     from kvroute.replay.summary import bounds_of, figures, format_table
 
@@ -99,8 +103,9 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
                            profile=base.profile)
         runs = []
         bounds = None
+        by_policy = {}
         for policy in (p for p in args.policies.split(",") if p):
-            served = await replay(policy, requests, cfg)
+            served = by_policy[policy] = await replay(policy, requests, cfg)
             # Each run against the bounds of the order its own requests arrived in (later
             # turns wait for earlier replies, so the order depends on the policy).
             own = bounds_of(served, requests, cfg)
@@ -108,6 +113,15 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
             points.append({"num_blocks": nb, **runs[-1].to_json(), "bounds": own.shares()})
             bounds = bounds or own
         tables.append(format_table(str(nb), runs, bounds))
+        baseline = by_policy.get(args.breakdown) if args.breakdown else None
+        for policy, served in by_policy.items():
+            if baseline is None or policy == args.breakdown:
+                continue
+            rows = breakdown(served, baseline)
+            total = sum(s.prompt_tokens for s in baseline if s.ok)
+            tables.append(format_breakdown(policy, args.breakdown, rows, total))
+            points.append({"num_blocks": nb, "policy": policy, "against": args.breakdown,
+                           "breakdown": [r.to_json() for r in rows]})
     return "\n\n".join(tables), points
 
 

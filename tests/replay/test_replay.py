@@ -81,3 +81,35 @@ def test_kvroute_replay_command_prints_tables_and_writes_figures(
     errors = {(p["num_blocks"], p["policy"]): p["errors"] for p in points}
     assert errors[(512, "session")] == errors[(512, "kv")] > 0
     assert errors[(4096, "session")] == errors[(4096, "kv")] == 0
+
+
+async def test_the_breakdown_accounts_for_every_turn_against_the_baseline() -> None:
+    from kvroute.replay.breakdown import breakdown
+
+    requests = _requests()
+    cfg = ReplayConfig(num_blocks=512)
+    kv, session = await replay("kv", requests, cfg), await replay("session", requests, cfg)
+    rows = breakdown(kv, session)
+    both = {(s.session, s.turn) for s in session if s.ok} & {
+        (s.session, s.turn) for s in kv if s.ok}
+    assert sum(r.turns for r in rows) == len(both) > 0
+    ok_kv = [s for s in kv if s.ok and (s.session, s.turn) in both]
+    ok_session = [s for s in session if s.ok and (s.session, s.turn) in both]
+    assert sum(r.cached_tokens for r in rows) == sum(s.cached_tokens for s in ok_kv)
+    assert sum(r.baseline_cached_tokens for r in rows) == sum(
+        s.cached_tokens for s in ok_session)
+    assert {r.kind for r in rows} <= {"first", "stay", "move"}
+    assert sum(r.turns for r in rows if r.kind == "first") == len(
+        {s.session for s in ok_kv if s.previous_replica is None})
+
+
+def test_kvroute_replay_prints_the_breakdown(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--hash-trace", str(SLICE), "--duration-s", "20",
+                 "--max-tokens", "8", "--num-blocks", "512", "--policies", "session,kv",
+                 "--breakdown", "session", "--out", str(out)]) == 0
+    assert "kv against session, turn by turn:" in capsys.readouterr().out
+    points = json.loads(out.read_text())["points"]
+    assert [p.get("against") for p in points] == [None, None, "session"]
