@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.compare import PeerSpec
-from bench.overhead_upstreams import ReplicaProtocol
+from bench.overhead_upstreams import ReplicaProtocol, http_response
 
 __all__ = ["RenderingReplica", "RunningPeer", "standard_peers", "start_peers", "stop_peers",
            "toy_token_ids"]
@@ -99,10 +99,8 @@ class RenderingReplica(ReplicaProtocol):
                   if url.startswith(b"/tokenize")
                   else {"request_id": "render", "token_ids": ids,
                         "sampling_params": {"max_tokens": 16}, "model": "bench-model"})
-        payload = json.dumps(answer).encode()
-        self._transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                              b"content-length: " + str(len(payload)).encode()
-                              + b"\r\n\r\n" + payload)
+        self._transport.write(http_response("200 OK", b"application/json",
+                                            json.dumps(answer).encode()))
 
 
 @dataclass(frozen=True, slots=True)

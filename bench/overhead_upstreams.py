@@ -10,7 +10,8 @@ import random
 import signal
 from typing import Any
 
-__all__ = ["ReplicaProtocol", "chat_body", "echo_app", "serve_echo", "serve_replicas"]
+__all__ = ["ReplicaProtocol", "chat_body", "echo_app", "http_response", "serve_echo",
+           "serve_replicas"]
 
 WORDS = ("the of and to in is that for it as was with be by on not he this are or his "
          "from at which but have an they you were her she there been one all we their "
@@ -48,7 +49,8 @@ _SSE = b"".join(
 _MODELS = json.dumps({"object": "list", "data": [{"id": "bench-model", "object": "model"}]})
 
 
-def _response(status: str, ctype: bytes, body: bytes, chunked: bool = False) -> bytes:
+def http_response(status: str, ctype: bytes, body: bytes, chunked: bool = False) -> bytes:
+    """One whole HTTP/1.1 response (content-length, or one chunk when ``chunked``)."""
     if chunked:
         return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype
                 + b"\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -57,10 +59,10 @@ def _response(status: str, ctype: bytes, body: bytes, chunked: bool = False) -> 
             + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-_R_JSON = _response("200 OK", b"application/json", _JSON)
-_R_SSE = _response("200 OK", b"text/event-stream", _SSE, chunked=True)
-_R_MODELS = _response("200 OK", b"application/json", _MODELS.encode())
-_R_HEALTH = _response("200 OK", b"text/plain", b"")
+_R_JSON = http_response("200 OK", b"application/json", _JSON)
+_R_SSE = http_response("200 OK", b"text/event-stream", _SSE, chunked=True)
+_R_MODELS = http_response("200 OK", b"application/json", _MODELS.encode())
+_R_HEALTH = http_response("200 OK", b"text/plain", b"")
 
 
 class ReplicaProtocol(asyncio.Protocol):

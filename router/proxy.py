@@ -44,7 +44,7 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -392,14 +392,7 @@ class Proxy:
     async def _relay_whole(self, call: Call, replica: ReplicaId, resp: aiohttp.ClientResponse,
                            lease: Lease, t_up: float, send: Send) -> None:  # fmt: skip
         """Read the whole body (``_Retry`` if that fails), take its usage, send it."""
-        try:
-            body = await resp.read()
-        except TimeoutError as exc:
-            raise _Retry(ReplicaTimeout(f"replica {replica} did not answer in time"),
-                         "timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                         "connect_error") from exc
+        body = await _first_read(resp.read(), replica, "did not answer")
         self._first_byte(call, replica, lease, self._clock() - t_up)
         status = resp.status
         if status == 200:
@@ -415,14 +408,7 @@ class Proxy:
                             lease: Lease, t_up: float, send: Send) -> Outcome:  # fmt: skip
         """Relay the body chunk by chunk once its first chunk is in (``_Retry`` if that
         fails); a stream's usage is tapped on the way."""
-        try:
-            chunk = await resp.content.readany()
-        except TimeoutError as exc:
-            raise _Retry(ReplicaTimeout(f"replica {replica} sent no data in time"),
-                         "timeout") from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
-                         "connect_error") from exc
+        chunk = await _first_read(resp.content.readany(), replica, "sent no data")
         self._first_byte(call, replica, lease, self._clock() - t_up)
         tap = UsageTap(strip=call.tap_strip) if call.stream else None
         await send({"type": "http.response.start", "status": resp.status,
@@ -461,6 +447,18 @@ class Proxy:
 
 
 _STATUS_TEXT = {code: str(code) for code in range(100, 600)}
+
+
+async def _first_read(read: Awaitable[bytes], replica: ReplicaId, silent: str) -> bytes:
+    """The upstream's first bytes; a timeout or a failure before them is a ``_Retry``
+    (nothing has reached the client yet, so another replica may still answer)."""
+    try:
+        return await read
+    except TimeoutError as exc:
+        raise _Retry(ReplicaTimeout(f"replica {replica} {silent} in time"), "timeout") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise _Retry(ReplicaUnavailable(f"replica {replica} failed: {exc!r}"),
+                     "connect_error") from exc
 
 
 def _status_text(status: int) -> str:
