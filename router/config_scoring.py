@@ -179,6 +179,20 @@ class ScoringSettings(_Section):
     the replica's learnt reuse share; ``router.move_cost``), so new conversations go
     where the cache is lost anyway rather than evenly into every cache.  Off: placed by
     the request's cost and recent placements only."""
+    price_future: bool = True
+    """Look ahead (``router.fleet_outlook``): charge each placement the returning
+    conversations' context its allocations evict, credit what the conversation itself
+    keeps between turns, charge the wait for pool space, and let a later turn queue on
+    its own replica up to the fleet's recent TTFT at ``stay_quantile``."""
+    future_weight: float = Field(default=1.0, ge=0)
+    """Weight of a forecast future hit (an expected token of context kept or evicted)
+    against a token computed now: 1, a token is a token."""
+    stay_quantile: float | None = Field(default=0.9, ge=0, le=1)
+    """TTFT quantile (learnt from receipts) up to which a later turn is not charged the
+    queue on the replica holding its context; ``null``: off."""
+    pool_headroom: bool = True
+    """Charge a replica the wait until its pool holds the request beside this router's
+    requests in flight there."""
     receipt_large_abs_tokens: int = Field(default=64, ge=0)
     """A receipt disagrees largely when off by more than this many tokens ..."""
     receipt_large_rel: float = Field(default=0.1, ge=0)

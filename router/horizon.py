@@ -179,6 +179,11 @@ class HorizonEstimator:
             return None
         return st.free_now()
 
+    def pool_blocks(self, replica: ReplicaId) -> float | None:
+        """The replica's KV pool in blocks, from its last scrape, if any."""
+        st = self._r.get(replica)
+        return st.num_blocks if st is not None else None
+
     def allocation_rate(self, replica: ReplicaId) -> float | None:
         """Blocks allocated per second (EWMA), if measured."""
         st = self._r.get(replica)

@@ -38,6 +38,9 @@ Algorithm, per request (``KvPolicy.decide``, a pipeline of the parts below):
    the reusable cache its context will displace on each replica (the mean conversation
    footprint times the replica's learnt reuse share; ``scoring.price_placements``), so
    conversations go where the cache is lost anyway rather than evenly into every cache.
+   Then the look ahead (``router.fleet_outlook``): the returning conversations' context
+   the request's allocations evict, the context it keeps itself, the wait for pool
+   space, and a later turn's allowance to queue on its own replica short of the tail.
 5. **Pick** (``router.kv_choice``): the best score; exact ties go by the request's
    consistent-hash ring order, so equal replicas (all holding a shared system prompt,
    no load) still spread new conversations.  A popular prefix whose holder is
@@ -86,6 +89,7 @@ from index.store import IndexUnavailable, KVIndex
 from kvkeys.types import PrefixHits, ReplicaId
 from prompt.keyer import Prompt
 from router.affinity import AffinityKey, AffinityRing, affinity_key
+from router.fleet_outlook import FleetOutlook, OutlookSettings
 from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose
 from router.load import LoadTracker
@@ -136,6 +140,9 @@ class KvConfig:
     """Charge a later turn's move what it costs the fleet (``router.move_cost``)."""
     price_placements: bool = True
     """Charge a new conversation's placement the cache it displaces (``router.move_cost``)."""
+    price_future: bool = True
+    """Look ahead (``router.fleet_outlook``)."""
+    outlook: OutlookSettings = OutlookSettings()
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +233,9 @@ class KvPolicy:
             receipt_large_rel=config.receipt_large_rel,
         )
         self.sessions = self.tracker.sessions
+        self.outlook = FleetOutlook(
+            self.horizon, config.outlook, prefill_tokens_per_s=config.costs.prefill_tokens_per_s,
+            alpha=config.weights.alpha, beta=config.weights.beta)
         if metrics is not None:
             self._route_hist = metrics.route_seconds.labels(self.name)
             self._stage = {s: metrics.stage_seconds.labels(s)
@@ -248,6 +258,8 @@ class KvPolicy:
         released = ticket.released_blocks(receipt) if ticket is not None else None
         session = ticket.session if ticket is not None else None
         self.tracker.finished(session, receipt.replica, released, now)
+        self.outlook.finished(request.request_id, session, receipt.replica, released,
+                              receipt.ttfb_s, receipt.completion_tokens, now)
         # Checked against the prediction for the replica that served (a failover too).
         predicted = decision.predicted_for(receipt.replica)
         if predicted is None or not receipt.ok:
@@ -284,6 +296,9 @@ class KvPolicy:
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
         ranked = self._price(ranked, previous, candidates, block_size)
+        if self.config.price_future and prompt is not None:
+            ranked = self.outlook.price(ranked, prompt, self.tracker.session_of(akey),
+                                        previous.replica if previous else None, now)
         choice = choose(
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
@@ -295,7 +310,7 @@ class KvPolicy:
         if commit:
             # Read before the turn is recorded (the table updates the state in place).
             moves = (previous.replica, previous.left) if previous is not None else None
-            self._commit(request, decision, choice, prompt, akey, previous is None, now)
+            self._commit(request, decision, choice, prompt, akey, previous, now)
             if moves is not None:
                 self._count_moves(*moves, choice)
         if self._metrics is not None:
@@ -422,17 +437,20 @@ class KvPolicy:
         choice: Choice,
         prompt: Prompt | None,
         akey: AffinityKey,
-        new_conversation: bool,
+        previous: SessionState | None,
         now: float,
     ) -> None:
         """The routed request's state: provisional blocks, what we sent, the session's
-        turn, and the prediction counters."""
+        turn, the look ahead's pinned blocks and pause, and the prediction counters."""
         m = self._metrics
         replica = decision.replica
         if prompt is not None:
             self.provisional.add(replica, prompt.block_keys, now)
+            self.outlook.routed(request.request_id, self.tracker.session_of(akey), replica,
+                                prompt, choice.ordered,
+                                previous.finished_at if previous else None, now)
         self.view.sent(replica, decision.prompt_tokens or 0, now,
-                       new_conversation=new_conversation)
+                       new_conversation=previous is None)
         if m is not None and decision.predicted_cached_tokens is not None:
             m.predicted_cached_tokens.labels(replica).inc(decision.predicted_cached_tokens)
             m.expected_cached_tokens.labels(replica).inc(choice.chosen.expected_cached_tokens)

@@ -45,6 +45,7 @@ from prompt.registry import ModelSpec, RendererRegistry
 from prompt.remote_render import RemoteRenderer
 from router.block_size_check import BlockSizeCheck
 from router.config import ScoringSettings
+from router.fleet_outlook import OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import IndexMetrics
 from router.kv_members import MemberIngestion
@@ -421,7 +422,8 @@ def kv_config(s: ScoringSettings) -> KvConfig:
     """The policy's numbers: every field of ``KvConfig``, ``ScoringWeights`` and
     ``CostModel`` is the same-named scoring setting (declared once, copied by name)."""
     return copy_fields(KvConfig, s, weights=copy_fields(ScoringWeights, s),
-                       costs=copy_fields(CostModel, s))  # fmt: skip
+                       costs=copy_fields(CostModel, s),
+                       outlook=copy_fields(OutlookSettings, s))  # fmt: skip
 
 
 T = TypeVar("T")

@@ -1,0 +1,272 @@
+"""What a decision does to the fleet after this request: the ``kv`` policy's look ahead.
+
+The score (``router.scoring``) prices one request: its own prefill against the queues.
+A placement also decides what the fleet's caches hold next, and whether the request can
+start at all.  ``FleetOutlook.price`` adds four terms to each replica's score, all in
+the score's unit (prefill tokens):
+
+1. **Displaced context** (``router.displacement.displaced_blocks``): the blocks this
+   request allocates on the replica (its prompt beyond the replica's expected hit, plus
+   its expected reply) push the replica's paused conversations (``router.idle_runs``)
+   toward eviction; what they would have found when they come back
+   (``router.think_times``) and no longer will is charged.
+2. **Retained context** (``displacement.retained_blocks``): what this conversation
+   itself will find of its context when it comes back, if it runs there: a replica whose
+   pool turns over slowly keeps it, one that churns does not.  Credited.
+3. **Pool headroom**: the replica's pool must hold the request with everything this
+   router has in flight there.  Running requests pin their blocks (prompt and reply,
+   less the prefix every replica holds, which they share), so a request whose blocks do
+   not fit waits until enough of them finish: ``k = ceil(shortfall / mean pinned per
+   request)`` of the ``n`` in flight, about ``k / n`` of a mean service time (learnt
+   from finished requests).  That wait is charged at the prefill rate: the queue term
+   counts prefill ahead, not the memory a long reply keeps pinned for seconds.
+4. **The tail allowance**: a later turn whose replica holds its context is not charged
+   the queue there up to the fleet's recent TTFT at quantile ``stay_quantile`` (learnt
+   from receipts): a wait that keeps the request out of the tail is not worth its
+   context's recomputation, and a move that saves it shortens the median at the cost of
+   the cache and of whoever queues behind the recomputation on the target.
+
+Terms 1 and 2 are forecasts of future hits, expected tokens of context kept or evicted;
+``future_weight`` (1 by default: a token recomputed later costs what one computed now
+does) weighs them against the request's own tokens.
+
+Every input is learnt online from what the policy already sees (turns, receipts, the
+horizon estimator's allocation counts and pool); nothing is known until it has been
+seen, and an unknown term is zero.  Synchronous; times are passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kvkeys.types import ReplicaId
+from prompt.keyer import Prompt
+from router.displacement import (
+    GRID,
+    displaced_blocks,
+    displacement_curve,
+    interpolate,
+    retained_blocks,
+)
+from router.horizon import HorizonEstimator
+from router.idle_runs import IdleRuns
+from router.scoring import ReplicaScore
+from router.think_times import Returning, ThinkTimes
+
+__all__ = ["FleetOutlook", "OutlookSettings"]
+
+_EWMA = 0.05
+"""Weight of the newest observation in the reply-size and service-time means."""
+_MIN_TTFT_SAMPLES = 20
+_TTFT_SAMPLES = 512
+"""Recent TTFTs kept for the tail allowance's quantile."""
+_MAX_IN_FLIGHT = 65536
+CURVE_REFRESH_S = 0.5
+"""How long a replica's displacement curve is used before it is computed again."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutlookSettings:
+    """The look ahead's settings (``ScoringSettings``)."""
+
+    future_weight: float = 1.0
+    """Weight of a forecast future hit (terms 1 and 2) against a token computed now."""
+    stay_quantile: float | None = 0.9
+    """TTFT quantile up to which a later turn's own replica is not charged its queue
+    (``None``: off)."""
+    pool_headroom: bool = True
+    """Charge the wait for pool space (term 3)."""
+
+
+@dataclass(slots=True)
+class _Pinned:
+    blocks: float = 0.0
+    requests: int = 0
+
+
+class FleetOutlook:
+    """The look ahead's learnt state and its pricing (module docstring)."""
+
+    def __init__(
+        self, horizon: HorizonEstimator, settings: OutlookSettings = OutlookSettings(),
+        *, prefill_tokens_per_s: float, alpha: float, beta: float,
+        idle_runs: IdleRuns | None = None,
+    ) -> None:
+        self.settings = settings
+        self.think_times = ThinkTimes()
+        self.idle_runs = idle_runs if idle_runs is not None else IdleRuns()
+        self._horizon = horizon
+        self._rate = prefill_tokens_per_s
+        self._alpha = alpha
+        self._beta = beta
+        self._reply_tokens: float | None = None
+        self._service_s: float | None = None
+        self._pinned: dict[ReplicaId, _Pinned] = {}
+        self._in_flight: OrderedDict[str, tuple[ReplicaId, float, float]] = OrderedDict()
+        self._ttfts: deque[float] = deque(maxlen=_TTFT_SAMPLES)
+        self._ttft_q: float | None = None
+        self._ttft_seen = 0
+        self._ttft_at = 0
+        self._curves: dict[ReplicaId, tuple[float, tuple[float, ...]]] = {}
+
+    # ------------------------------------------------------------------ learning
+    def routed(
+        self, request_id: str, session: str | None, replica: ReplicaId, prompt: Prompt,
+        scores: Sequence[ReplicaScore], paused_at: float | None, now: float,
+    ) -> None:
+        """A request was sent to ``replica`` (``scores``: every candidate's), pinning its
+        blocks there; a session's turn ends its pause (``paused_at``: when its previous
+        turn finished, if known)."""
+        shared = min((s.expected_cached_tokens for s in scores), default=0.0)
+        blocks = self.pinned_blocks(prompt.num_tokens, shared, prompt.block_size)
+        if session is not None:
+            self.idle_runs.resumed(session)
+            if paused_at is not None:
+                self.think_times.returned(max(0.0, now - paused_at), now)
+        pinned = self._pinned.setdefault(replica, _Pinned())
+        pinned.blocks += blocks
+        pinned.requests += 1
+        self._in_flight[request_id] = (replica, blocks, now)
+        while len(self._in_flight) > _MAX_IN_FLIGHT:
+            _, (r, b, _t) = self._in_flight.popitem(last=False)
+            self._unpin(r, b)
+
+    def finished(
+        self, request_id: str, session: str | None, replica: ReplicaId,
+        released: int | None, ttft_s: float | None, reply_tokens: int | None, now: float,
+    ) -> None:
+        """The request finished on ``replica``: unpin it, learn its service time, TTFT
+        and reply size, and start its session's pause."""
+        sent = self._in_flight.pop(request_id, None)
+        if sent is not None:
+            self._unpin(sent[0], sent[1])
+            self._service_s = _ewma(self._service_s, now - sent[2])
+        if ttft_s is not None:
+            self._ttfts.append(ttft_s)
+            self._ttft_seen += 1
+        if reply_tokens:
+            self._reply_tokens = _ewma(self._reply_tokens, float(reply_tokens))
+        if session is None:
+            return
+        self.think_times.paused(now)
+        free = self._horizon.free_blocks(replica, now)
+        if released and free is not None:
+            self.idle_runs.paused(session, replica, alloc_mark=self._horizon.allocated(replica),
+                                  free_mark=free, blocks=released, now=now)
+
+    def forget(self, replica: ReplicaId) -> None:
+        """The replica left or restarted."""
+        self.idle_runs.forget_replica(replica)
+        self._pinned.pop(replica, None)
+        self._curves.pop(replica, None)
+
+    def _unpin(self, replica: ReplicaId, blocks: float) -> None:
+        pinned = self._pinned.get(replica)
+        if pinned is not None:
+            pinned.blocks = max(0.0, pinned.blocks - blocks)
+            pinned.requests = max(0, pinned.requests - 1)
+
+    def pinned_blocks(self, prompt_tokens: int, shared_tokens: float, block_size: int) -> float:
+        """The blocks a request pins beyond the prefix every replica holds: its prompt
+        and expected reply."""
+        total = -(-(prompt_tokens + int(self._reply_tokens or 0)) // block_size)
+        return max(0.0, total - shared_tokens // block_size)
+
+    # ------------------------------------------------------------------ pricing
+    def price(
+        self,
+        ranked: Sequence[ReplicaScore],
+        prompt: Prompt,
+        session: str | None,
+        home: ReplicaId | None,
+        now: float,
+    ) -> list[ReplicaScore]:
+        """``ranked`` with the look ahead's terms (module docstring), best first (ties
+        keep their order).  ``home``: a later turn's previous replica."""
+        prompt_tokens, block_size = prompt.num_tokens, prompt.block_size
+        if not ranked or block_size <= 0:
+            return list(ranked)
+        share = self.think_times.return_share(now)
+        fresh = self.think_times.returning(0.0, share)
+
+        def outlook(elapsed: float) -> Returning | None:
+            return self.think_times.returning(elapsed, share)
+
+        shared = min(s.expected_cached_tokens for s in ranked)
+        need = self.pinned_blocks(prompt_tokens, shared, block_size)
+        reply_blocks = (self._reply_tokens or 0.0) / block_size
+        w = self.settings.future_weight * self._alpha * block_size
+        allowance = self._allowance() if home is not None else 0.0
+        out = []
+        for s in ranked:
+            r = s.replica
+            rate = self._horizon.allocation_rate(r) or 0.0
+            adjust = 0.0
+            if share is not None and w > 0:
+                allocate = max(0.0, (prompt_tokens - s.expected_cached_tokens) / block_size)
+                allocate += reply_blocks
+                lost = self._displaced(r, allocate, rate, session, outlook, now)
+                free = self._horizon.free_blocks(r, now)
+                kept = 0.0
+                if free is not None and session is not None:
+                    kept = retained_blocks(prompt_tokens / block_size + reply_blocks, free,
+                                           rate, fresh)
+                adjust += w * (kept - lost)
+            if self.settings.pool_headroom:
+                adjust -= self._rate * self._pool_wait_s(r, need, shared // block_size)
+            if r == home and s.expected_cached_tokens > shared:
+                adjust += self._beta * min(s.queued_prefill_tokens, allowance)
+            out.append(replace(s, score=s.score + adjust) if adjust else s)
+        out.sort(key=lambda s: -s.score)
+        return out
+
+    def _displaced(
+        self, replica: ReplicaId, allocate: float, rate: float, session: str | None,
+        outlook: Callable[[float], Returning | None], now: float,
+    ) -> float:
+        """Term 1 from the replica's displacement curve (recomputed at most every
+        ``CURVE_REFRESH_S``: a forecast, not a count), less the request's own run,
+        which its turn re-uses rather than loses."""
+        allocated = self._horizon.allocated(replica)
+        cached = self._curves.get(replica)
+        if cached is None or now - cached[0] >= CURVE_REFRESH_S or now < cached[0]:
+            curve = displacement_curve(self.idle_runs.runs(replica, allocated, now), rate,
+                                       outlook)
+            cached = self._curves[replica] = (now, curve)
+        lost = interpolate(GRID, cached[1], allocate)
+        if session is not None and self.idle_runs.replica_of(session) == replica:
+            own = self.idle_runs.run_of(session, allocated, now)
+            if own is not None:
+                lost -= displaced_blocks([own], allocate, rate, outlook)
+        return max(0.0, lost)
+
+    def _pool_wait_s(self, replica: ReplicaId, need: float, shared_blocks: float) -> float:
+        """Seconds until the replica's pool holds ``need`` more blocks (term 3)."""
+        pool = self._horizon.pool_blocks(replica)
+        pinned = self._pinned.get(replica)
+        if pool is None or pinned is None or pinned.requests == 0 or self._service_s is None:
+            return 0.0
+        short = pinned.blocks + need + shared_blocks - pool
+        if short <= 0:
+            return 0.0
+        per_request = max(1.0, pinned.blocks / pinned.requests)
+        k = math.ceil(short / per_request)
+        return min(k, pinned.requests) / pinned.requests * self._service_s
+
+    def _allowance(self) -> float:
+        """The queue, in tokens, a later turn's own replica is not charged (term 4)."""
+        q = self.settings.stay_quantile
+        if q is None or len(self._ttfts) < _MIN_TTFT_SAMPLES:
+            return 0.0
+        if self._ttft_q is None or self._ttft_seen - self._ttft_at >= 32:
+            self._ttft_at = self._ttft_seen
+            ordered = sorted(self._ttfts)
+            self._ttft_q = ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))]
+        return self._ttft_q * self._rate
+
+
+def _ewma(old: float | None, x: float) -> float:
+    return x if old is None else old + _EWMA * (x - old)

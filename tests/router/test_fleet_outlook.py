@@ -1,0 +1,243 @@
+"""The kv policy's look ahead: think times, displaced and retained context, pool headroom
+and the tail allowance (``router.think_times``, ``router.displacement``,
+``router.idle_runs``, ``router.fleet_outlook``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkeys.types import ReplicaId
+from prompt.keyer import Prompt
+from router.displacement import (
+    GRID,
+    IdleRun,
+    displaced_blocks,
+    displacement_curve,
+    interpolate,
+    retained_blocks,
+)
+from router.fleet_outlook import FleetOutlook, OutlookSettings
+from router.horizon import HorizonEstimator, PoolSample
+from router.idle_runs import IdleRuns
+from router.scoring import ReplicaScore
+from router.think_times import BUCKET_S, Returning, ThinkTimes
+
+A, B = ReplicaId("a"), ReplicaId("b")
+
+
+def _prompt(tokens: int) -> Prompt:
+    return Prompt(token_ids=[1] * tokens, block_keys=[], block_size=16, model="m")
+
+
+def score(replica: ReplicaId, expected: float, s: float, queued: float = 0.0) -> ReplicaScore:
+    return ReplicaScore(
+        replica=replica, matched_blocks=0, gpu_blocks=0, cpu_blocks=0, storage_blocks=0,
+        usable_blocks=0, predicted_cached_tokens=int(expected), expected_cached_tokens=expected,
+        p_index=1.0, p_resident_hot=1.0, p_resident_tail=1.0, wait_s=0.0, new_tokens=0.0,
+        queued_prefill_tokens=queued, decode_load=0.0, placements=0.0, load_known=True,
+        score=s,
+    )
+
+
+# ---------------------------------------------------------------- think times
+def test_return_share_counts_only_pauses_old_enough_to_have_come_back() -> None:
+    tt = ThinkTimes()
+    assert tt.return_share(0.0) is None
+    # Ten pauses start at t=0; nine come back after 20 s, one never does.
+    for _ in range(10):
+        tt.paused(0.0)
+    for _ in range(9):
+        tt.returned(20.0, 20.0)
+    # Too early: the bucket of t=0 is younger than the longest think time plus a bucket.
+    assert tt.return_share(20.0) is None
+    share = tt.return_share(20.0 + 2 * BUCKET_S)
+    assert share == pytest.approx((9 + 1) / (10 + 2))
+
+
+def test_returning_conditions_on_the_time_already_paused() -> None:
+    tt = ThinkTimes(points=4)
+    for t in (10.0, 20.0, 30.0, 40.0):
+        tt.paused(0.0)
+        tt.returned(t, t)
+    # Everyone comes back (share 1): paused 25 s, the returns left are at 30 and 40 s.
+    out = tt.returning(25.0, 1.0)
+    assert out is not None and out.p == pytest.approx(1.0)
+    assert out.waits == pytest.approx((5.0, 15.0))
+    # Half the pauses never end in a return: as many "never" as returns in the sample,
+    # so past 25 s the two later returns face four nevers.
+    half = tt.returning(25.0, 0.5)
+    assert half is not None and half.p == pytest.approx(2 / 6)
+    assert tt.returning(45.0, 1.0) == Returning(0.0, ())
+    assert tt.returning(0.0, None) is None
+
+
+def test_think_time_sample_is_bounded() -> None:
+    tt = ThinkTimes(max_samples=3, points=8)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        tt.returned(t, 100.0)
+    out = tt.returning(0.0, 1.0)
+    assert out is not None and out.waits == (3.0, 4.0, 5.0)
+
+
+# ---------------------------------------------------------------- displacement
+def test_displaced_blocks_counts_what_a_returning_session_no_longer_finds() -> None:
+    # A 100-block run whose first block survives 150 more allocations; the session
+    # comes back for sure after 1 s, and the replica allocates 10 blocks a second.
+    run = IdleRun(depth=150.0, run=100, elapsed_s=5.0)
+    sure = lambda elapsed: Returning(1.0, (1.0,))  # noqa: E731
+    # Without the placement it finds min(100, 150 - 10) = 100 blocks; allocating 80
+    # now leaves 60: 40 lost.
+    assert displaced_blocks([run], 80.0, 10.0, sure) == pytest.approx(40.0)
+    # A deep pool: nothing lost.
+    deep = IdleRun(depth=1_000.0, run=100, elapsed_s=5.0)
+    assert displaced_blocks([deep], 80.0, 10.0, sure) == 0.0
+    # A session that will not come back costs nothing, nor does one that comes back
+    # only after its run is gone anyway.
+    never = lambda elapsed: Returning(0.0, ())  # noqa: E731
+    late = lambda elapsed: Returning(1.0, (20.0,))  # noqa: E731
+    assert displaced_blocks([run], 80.0, 10.0, never) == 0.0
+    assert displaced_blocks([run], 80.0, 10.0, late) == 0.0
+    # Weighed by the chance it comes back at all.
+    maybe = lambda elapsed: Returning(0.5, (1.0,))  # noqa: E731
+    assert displaced_blocks([run], 80.0, 10.0, maybe) == pytest.approx(20.0)
+
+
+def test_retained_blocks_is_what_the_conversation_keeps_until_it_returns() -> None:
+    back_in_10s = Returning(1.0, (10.0,))
+    # 50 blocks released behind 200 free ones: a replica allocating 10 blocks/s has
+    # consumed 100 by the return (all kept), one allocating 22/s has consumed 220
+    # (the run's tail: 30 of 50 kept).
+    assert retained_blocks(50.0, 200.0, 10.0, back_in_10s) == pytest.approx(50.0)
+    assert retained_blocks(50.0, 200.0, 22.0, back_in_10s) == pytest.approx(30.0)
+    assert retained_blocks(50.0, 200.0, 100.0, back_in_10s) == 0.0
+    assert retained_blocks(50.0, 200.0, 10.0, None) == 0.0
+
+
+# ---------------------------------------------------------------- idle runs
+def test_idle_runs_drop_evicted_runs_and_resumed_sessions() -> None:
+    runs = IdleRuns(max_runs=3)
+    runs.paused("s1", A, alloc_mark=0.0, free_mark=10.0, blocks=5, now=0.0)
+    runs.paused("s2", A, alloc_mark=0.0, free_mark=100.0, blocks=5, now=1.0)
+    runs.paused("s3", B, alloc_mark=0.0, free_mark=100.0, blocks=5, now=1.0)
+    assert [r.depth for r in runs.runs(A, 0.0, 2.0)] == [15.0, 105.0]
+    # After 20 allocations s1's run (depth 15) is gone and dropped for good.
+    assert [r.depth for r in runs.runs(A, 20.0, 2.0)] == [85.0]
+    assert len(runs) == 2
+    assert list(runs.runs(A, 20.0, 2.0, exclude="s2")) == []
+    runs.resumed("s2")
+    assert list(runs.runs(A, 0.0, 2.0)) == []
+    runs.forget_replica(B)
+    assert len(runs) == 0
+
+
+def test_idle_runs_are_bounded_per_replica() -> None:
+    runs = IdleRuns(max_runs=2)
+    for i in range(5):
+        runs.paused(f"s{i}", A, alloc_mark=0.0, free_mark=100.0, blocks=1, now=float(i))
+    assert len(runs) == 2
+    assert [r.elapsed_s for r in runs.runs(A, 0.0, 10.0)] == [7.0, 6.0]
+
+
+# ---------------------------------------------------------------- the outlook
+def _pin(out: FleetOutlook, request_id: str, blocks: float, now: float) -> None:
+    """Route a request pinning ``blocks`` blocks on A (16 tokens each, no reply learnt)."""
+    out.routed(request_id, None, A, _prompt(int(blocks * 16)), [], None, now)
+
+
+def _horizon(pool: int = 1000, usage: float = 0.0) -> HorizonEstimator:
+    h = HorizonEstimator()
+    for r in (A, B):
+        h.observe_scrape(r, PoolSample(t=0.0, block_size=16, num_gpu_blocks=pool,
+                                       kv_usage=usage, computed_prompt_tokens_total=None,
+                                       generation_tokens_total=None))
+    return h
+
+
+def test_pool_headroom_charges_the_wait_for_memory() -> None:
+    h = _horizon(pool=100)
+    out = FleetOutlook(h, OutlookSettings(future_weight=0.0, stay_quantile=None),
+                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
+    # One request of 80 blocks in flight on A; service time learnt from one that took 2 s.
+    _pin(out, "old", 10.0, 0.0)
+    out.finished("old", None, A, None, None, None, 2.0)
+    _pin(out, "r1", 80.0, 2.0)
+    # A 50-block prompt (16 tokens per block) does not fit beside it on A: it waits for
+    # the one request in flight, about a service time (2 s = 2,000 tokens); B is empty.
+    ranked = out.price([score(A, 0.0, -800.0), score(B, 0.0, -800.0)],
+                       _prompt(800), None, None, 2.0)
+    assert [s.replica for s in ranked] == [B, A]
+    assert ranked[1].score == pytest.approx(-800.0 - 2000.0)
+    out.finished("r1", None, A, None, None, None, 4.0)
+    ranked = out.price([score(A, 0.0, -800.0), score(B, 0.0, -800.0)],
+                       _prompt(800), None, None, 4.0)
+    assert [s.score for s in ranked] == [-800.0, -800.0]
+
+
+def test_a_later_turn_may_queue_at_home_up_to_the_recent_ttft_quantile() -> None:
+    h = _horizon()
+    out = FleetOutlook(h, OutlookSettings(future_weight=0.0, stay_quantile=0.5,
+                                          pool_headroom=False),
+                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
+    for i in range(40):
+        _pin(out, f"r{i}", 1.0, 0.0)
+        out.finished(f"r{i}", None, A, None, 0.1 if i % 2 else 0.3, None, 1.0)
+    # Median TTFT 0.1 s = 100 tokens of allowance: home (holding 400 tokens of context,
+    # 300 queued) gets 100 of its queue back; the other replica gets nothing.
+    ranked = out.price([score(B, 100.0, -500.0), score(A, 400.0, -550.0, queued=300.0)],
+                       _prompt(500), "s", A, 1.0)
+    assert {s.replica: s.score for s in ranked} == {A: -450.0, B: -500.0}
+    # Without context at home beyond the shared prefix, no allowance.
+    ranked = out.price([score(B, 100.0, -500.0), score(A, 100.0, -550.0, queued=300.0)],
+                       _prompt(500), "s", A, 1.0)
+    assert {s.replica: s.score for s in ranked} == {A: -550.0, B: -500.0}
+
+
+def test_placement_goes_where_it_displaces_no_returning_context() -> None:
+    h = _horizon(pool=1000, usage=0.0)
+    out = FleetOutlook(h, OutlookSettings(future_weight=1.0, stay_quantile=None,
+                                          pool_headroom=False),
+                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
+    # Learn think times: sessions come back after 5 s, every time.
+    for _ in range(20):
+        out.think_times.paused(0.0)
+        out.think_times.returned(5.0, 5.0)
+    # A paused session on A, right at the head of its LRU queue (depth 60 of a 50-block
+    # run): any large allocation on A evicts the context it comes back for.
+    out.idle_runs.paused("other", A, alloc_mark=0.0, free_mark=10.0, blocks=50, now=99.0)
+    ranked = out.price([score(A, 0.0, -2048.0), score(B, 0.0, -2048.0)],
+                       _prompt(2048), "new", None, 100.0)
+    assert ranked[0].replica == B
+    cost = {s.replica: s.score for s in ranked}
+    # On A the 128 new blocks evict all 50 of the other session's (50 x 16 tokens),
+    # weighed by the learnt return share (21 / 22, Laplace-smoothed); both replicas
+    # credit the conversation's own retained context alike.
+    assert cost[B] - cost[A] == pytest.approx(50 * 16 * 21 / 22)
+
+
+def test_the_displacement_curve_matches_the_exact_loss_at_its_grid_points() -> None:
+    runs = [IdleRun(depth=60.0, run=50, elapsed_s=1.0), IdleRun(depth=300.0, run=80,
+                                                               elapsed_s=3.0)]
+    some = lambda elapsed: Returning(0.8, (0.5, 2.0, 6.0))  # noqa: E731
+    curve = displacement_curve(runs, 20.0, some)
+    for x, value in zip(GRID, curve, strict=True):
+        assert value == pytest.approx(displaced_blocks(runs, x, 20.0, some))
+    # Between grid points: the chord, between its neighbours (the loss grows with x).
+    assert curve[2] <= interpolate(GRID, curve, 100.0) <= curve[3]
+    assert interpolate(GRID, curve, 1e9) == curve[-1]
+
+
+def test_a_stay_is_not_charged_for_displacing_its_own_paused_run() -> None:
+    h = _horizon(pool=1000, usage=0.0)
+    out = FleetOutlook(h, OutlookSettings(future_weight=1.0, stay_quantile=None,
+                                          pool_headroom=False),
+                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
+    for _ in range(20):
+        out.think_times.paused(0.0)
+        out.think_times.returned(5.0, 5.0)
+    out.idle_runs.paused("me", A, alloc_mark=0.0, free_mark=10.0, blocks=50, now=99.0)
+    ranked = out.price([score(A, 800.0, -1248.0), score(B, 800.0, -1248.0)],
+                       _prompt(2048), "me", A, 100.0)
+    # Both replicas credit the same retained context; A is not charged for "evicting"
+    # the run its own turn re-uses.
+    scores = {s.replica: s.score for s in ranked}
+    assert scores[A] == pytest.approx(scores[B])
