@@ -1,6 +1,7 @@
 """Scoring and model settings are declared once and passed through by name: the policy's
-``KvConfig`` (with ``ScoringWeights`` and ``CostModel``) and the renderers' ``ModelSpec``
-(and its ``RenderOptions``) carry exactly what the settings say."""
+``KvConfig`` (with ``ScoringWeights``, ``CostModel`` and ``OutlookSettings``) and the
+renderers' ``ModelSpec`` (and its ``RenderOptions``) carry exactly what the settings
+say."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from prompt.registry import ModelSpec
 from router.config import ModelSettings, ScoringSettings
+from router.fleet_outlook import OutlookSettings
 from router.kv_policy import KvConfig
 from router.kv_services import copy_fields, kv_config
 from router.scoring import CostModel, ScoringWeights
@@ -24,9 +26,9 @@ def test_defaults_agree_with_the_scoring_dataclasses() -> None:
 
 def test_every_scoring_knob_passes_through() -> None:
     changed: dict[str, Any] = {}
-    for cls in (ScoringWeights, CostModel, KvConfig):
+    for cls in (ScoringWeights, CostModel, OutlookSettings, KvConfig):
         for name in _names(cls):
-            if name in ("weights", "costs"):
+            if name in ("weights", "costs", "outlook"):
                 continue
             default = getattr(ScoringSettings(), name)
             if isinstance(default, bool):
@@ -38,7 +40,8 @@ def test_every_scoring_knob_passes_through() -> None:
     config = kv_config(ScoringSettings.model_validate(changed))
     for name, value in changed.items():
         holder = (config.weights if name in _names(ScoringWeights)
-                  else config.costs if name in _names(CostModel) else config)  # fmt: skip
+                  else config.costs if name in _names(CostModel)
+                  else config.outlook if name in _names(OutlookSettings) else config)  # fmt: skip
         assert getattr(holder, name) == value, name
 
 
