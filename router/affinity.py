@@ -13,8 +13,12 @@ Two things live here:
   replica, so adding or removing one of N replicas moves about 1/N of the keys and no
   others.  Rings are cached per candidate set (building one costs ~1 ms per replica), so
   a replica going unhealthy moves only its own sessions, and they come back when it does.
+  A ring never changes once built, so the order it gives a key is remembered too (per
+  candidate set, key and length; ``max_orders``): walking the continuum costs tens of
+  microseconds, and every turn of a session asks again.
 
-Contract: no I/O, no clock.  The ring cache is bounded (``max_rings``).
+Contract: no I/O, no clock.  The ring and order caches are bounded (``max_rings``,
+``max_orders``).
 """
 
 from __future__ import annotations
@@ -117,13 +121,18 @@ def affinity_key(
 class AffinityRing:
     """Consistent-hash preference orders over candidate sets."""
 
-    def __init__(self, *, vnodes: int = 160, max_rings: int = 16) -> None:
+    def __init__(self, *, vnodes: int = 160, max_rings: int = 16,
+                 max_orders: int = 8192) -> None:
         self._vnodes = vnodes
         self._max_rings = max_rings
+        self._max_orders = max_orders
         self._rings: OrderedDict[frozenset[ReplicaId], HashRing] = OrderedDict()
+        self._orders: OrderedDict[tuple[frozenset[ReplicaId], str, int],
+                                  tuple[ReplicaId, ...]] = OrderedDict()
+        """Ring orders already walked (about 200 bytes each): the active sessions'."""
 
     def _ring(self, candidates: Collection[ReplicaId]) -> HashRing:
-        members = frozenset(candidates)
+        members = candidates if isinstance(candidates, frozenset) else frozenset(candidates)
         ring = self._rings.get(members)
         if ring is None:
             nodes = {r: {"vnodes": self._vnodes} for r in sorted(members)}
@@ -148,9 +157,19 @@ class AffinityRing:
         sessions would go if it left, and so on (at most ``size``)."""
         if len(candidates) == 1:
             return list(candidates)
-        ring = self._ring(candidates)
+        members = frozenset(candidates)
         n = len(candidates) if size is None else min(size, len(candidates))
-        return [ReplicaId(node["nodename"]) for node in ring.range(key, n)]
+        entry = (members, key, n)
+        order = self._orders.get(entry)
+        if order is None:
+            order = tuple(ReplicaId(node["nodename"])
+                          for node in self._ring(members).range(key, n))
+            self._orders[entry] = order
+            if len(self._orders) > self._max_orders:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(entry)
+        return list(order)
 
     def preference(self, key: str, candidates: Collection[ReplicaId]) -> dict[ReplicaId, int]:
         """Ring order as ranks (0 first), for ``scoring.pick``'s tie-breaking."""

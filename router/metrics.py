@@ -221,42 +221,45 @@ _THINK_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 class KvMetrics:
     """Series of the KV-aware policies: decisions' predictions, receipts, sessions,
     eviction horizon, and the routing cost.  Labels: replica ids, policy names and small
-    enums only."""
+    enums only.  The series every routed request updates (about ten updates per ``kv``
+    request) are ``FastCounter`` / ``FastHistogram``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.route_seconds = Histogram(
+        self.route_seconds = FastHistogram(
             "router_route_seconds",
             "Time a policy takes to decide (render, hash, index lookup, scoring), by policy.",
-            ["policy"], buckets=_ROUTE_BUCKETS, registry=registry,
+            ["policy"], registry, buckets=_ROUTE_BUCKETS,
         )
-        self.stage_seconds = Histogram(
+        self.stage_seconds = FastHistogram(
             "router_kv_stage_seconds",
             "Time of each stage of the kv policy: render, lookup, score.",
-            ["stage"], buckets=_ROUTE_BUCKETS, registry=registry,
+            ["stage"], registry, buckets=_ROUTE_BUCKETS,
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = FastCounter(
             "router_kv_predicted_cached_tokens_total",
             "Cached tokens the index predicts on the chosen replica (point prediction).",
-            ["replica"], registry=registry,
+            ["replica"], registry,
         )
-        self.expected_cached_tokens = Counter(
+        self.expected_cached_tokens = FastCounter(
             "router_kv_expected_cached_tokens_total",
             "Cached tokens the scoring credited on the chosen replica (probability-weighted).",
-            ["replica"], registry=registry,
+            ["replica"], registry,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = FastCounter(
             "router_receipt_prompt_tokens_total",
             "Prompt tokens the replicas reported, by replica and kind: cached (prefill "
             "saved) or computed.",
-            ["replica", "kind"], registry=registry,
+            ["replica", "kind"], registry,
         )
-        self.receipts = Counter(
+        self.receipts = FastCounter(
             "router_receipts_total",
             "Receipts checked against their prediction, by replica and outcome "
             "(match, over, under, missing).",
-            ["replica", "outcome"], registry=registry,
+            ["replica", "outcome"], registry,
         )
+        # prometheus_client's own: with negative buckets it writes ``_count`` but no
+        # ``_sum``, which ``FastHistogram`` does not mimic.
         self.prediction_error = Histogram(
             "router_kv_prediction_error_tokens",
             "Reported minus predicted cached tokens, per request, by replica.",
@@ -268,25 +271,25 @@ class KvMetrics:
             "direction (over: predicted more than served).",
             ["replica", "direction"], registry=registry,
         )
-        self.session_turns = Counter(
+        self.session_turns = FastCounter(
             "router_session_turns_total",
             "Later turns of a session, by policy and placement (same_replica or moved).",
-            ["policy", "placement"], registry=registry,
+            ["policy", "placement"], registry,
         )
         self.think_time = Histogram(
             "router_session_think_time_seconds",
             "Time between a turn finishing and the session's next request.",
             buckets=_THINK_BUCKETS, registry=registry,
         )
-        self.session_returns = Counter(
+        self.session_returns = FastCounter(
             "router_session_returns_total",
             "Later turns by whether they came back within their replica's eviction horizon.",
-            ["replica", "outcome"], registry=registry,
+            ["replica", "outcome"], registry,
         )
-        self.prefix_breaks = Counter(
+        self.prefix_breaks = FastCounter(
             "router_prefix_breaks_total",
             "Later turns whose prompt does not extend the previous one, by likely cause.",
-            ["cause"], registry=registry,
+            ["cause"], registry,
         )
         self.prefix_break_lost_tokens = Counter(
             "router_prefix_break_lost_tokens_total",

@@ -67,7 +67,7 @@ _OPTION_FIELDS = (
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as 4-byte unsigned ints (the form sessions keep)."""
     if isinstance(tokens, TokenIds):
-        return tokens.to_array("I").tobytes()
+        return tokens.to_bytes()
     return array("I", tokens).tobytes()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,6 +31,7 @@ def test_turns_built_from_any_earlier_turn_keep_their_ids(
             assert turn == model and model == turn
             assert len(turn) == len(model) and list(turn) == model
             assert turn.tolist() == model and turn.to_array().tolist() == model
+            assert turn.to_bytes() == array("I", model).tobytes()
     last, model = turns[-1], models[-1]
     n = len(model)
     for start in range(-n - 1, n + 2):
@@ -37,6 +40,26 @@ def test_turns_built_from_any_earlier_turn_keep_their_ids(
     assert last[::2] == model[::2]
     for i in range(-n, n):
         assert last[i] == model[i]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 100), ids, ids, st.booleans()),
+                max_size=12))
+def test_packed_ids_stay_true_whichever_turns_were_packed_before(
+    steps: list[tuple[int, int, list[int], list[int], bool]],
+) -> None:
+    # ``to_bytes`` remembers the packed stem: packing some turns and not others, in any
+    # order, must never change what any turn packs to.
+    turns = [TokenIds.of([])]
+    models: list[list[int]] = [[]]
+    for pick, keep_at, stem_ids, tail, pack in steps:
+        i = pick % len(turns)
+        keep = keep_at % (len(models[i]) + 1)
+        turns.append(turns[i].extend(keep, stem_ids, tail))
+        models.append(models[i][:keep] + stem_ids + tail)
+        if pack:
+            assert turns[i].to_bytes() == array("I", models[i]).tobytes()
+    for turn, model in reversed(list(zip(turns, models, strict=True))):
+        assert turn.to_bytes() == array("I", model).tobytes()
 
 
 def test_a_continuation_from_the_stem_end_shares_the_list() -> None:

@@ -109,3 +109,15 @@ def test_ring_cache_is_bounded() -> None:
     for i in range(5):
         ring.first("k", REPLICAS[: 1 + (i % 3) + 1])
     assert len(ring._rings) <= 2
+
+
+def test_remembered_orders_are_the_rings_and_bounded() -> None:
+    ring = AffinityRing(max_orders=3)
+    keys = [f"session-{i}" for i in range(10)]
+    first = {k: ring.order(k, REPLICAS) for k in keys}
+    assert len(ring._orders) == 3
+    for k in keys:  # from the cache or walked again, the same order
+        assert ring.order(k, list(reversed(REPLICAS))) == first[k]
+        assert ring.order(k, REPLICAS) == AffinityRing().order(k, REPLICAS)
+    ring.order(keys[0], REPLICAS).clear()  # callers get their own list
+    assert ring.order(keys[0], REPLICAS) == first[keys[0]]

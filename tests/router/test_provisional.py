@@ -65,3 +65,12 @@ def test_memory_bound_and_forget() -> None:
     p2 = ProvisionalBlocks(ttl_s=0.0)
     p2.add(A, KEYS, now=0.0)
     assert len(p2) == 0
+
+
+def test_an_insert_with_an_earlier_clock_never_shortens_an_expiry() -> None:
+    p = ProvisionalBlocks(ttl_s=5.0)
+    p.add(A, KEYS[:4], now=5.0)
+    p.add(A, KEYS[:8], now=1.0)  # out of order: extends only what it adds
+    assert p.run(A, KEYS, 5.5) == 8
+    assert p.run(A, KEYS, 7.0) == 4
+    assert p.run(A, KEYS, 10.0) == 0
