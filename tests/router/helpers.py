@@ -9,7 +9,9 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvkeys.types import ReplicaId
 from router.config import RouterSettings
+from router.scoring import ReplicaScore
 from tests.router.fake_replica import FakeReplica
 
 FAST_HEALTH = {"interval_s": 0.05, "fails_to_down": 2, "successes_to_up": 2}
@@ -83,3 +85,17 @@ async def measure_ttfb(client: aiohttp.ClientSession, direct_url: str, router_ur
         if i >= 2 and gap < gap_s and routed < direct + added_s:
             break
     return direct, routed, gap
+
+
+def replica_score(
+    replica: ReplicaId, expected: float, total: float, queued: float = 0.0
+) -> ReplicaScore:
+    """A ranked replica for the pure pricing and choice steps: ``expected`` cached tokens,
+    score ``total``, ``queued`` prefill tokens; everything else neutral."""
+    return ReplicaScore(
+        replica=replica, matched_blocks=0, gpu_blocks=0, cpu_blocks=0, storage_blocks=0,
+        usable_blocks=0, predicted_cached_tokens=int(expected), expected_cached_tokens=expected,
+        p_index=1.0, p_resident_hot=1.0, p_resident_tail=1.0, wait_s=0.0, new_tokens=0.0,
+        queued_prefill_tokens=queued, decode_load=0.0, placements=0.0, load_known=True,
+        score=total,
+    )

@@ -19,24 +19,15 @@ from router.displacement import (
 from router.fleet_outlook import FleetOutlook, OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.idle_runs import IdleRuns
-from router.scoring import ReplicaScore
 from router.think_times import BUCKET_S, Returning, ThinkTimes
+from tests.router.helpers import replica_score as score
+
 
 A, B = ReplicaId("a"), ReplicaId("b")
 
 
 def _prompt(tokens: int) -> Prompt:
     return Prompt(token_ids=[1] * tokens, block_keys=[], block_size=16, model="m")
-
-
-def score(replica: ReplicaId, expected: float, s: float, queued: float = 0.0) -> ReplicaScore:
-    return ReplicaScore(
-        replica=replica, matched_blocks=0, gpu_blocks=0, cpu_blocks=0, storage_blocks=0,
-        usable_blocks=0, predicted_cached_tokens=int(expected), expected_cached_tokens=expected,
-        p_index=1.0, p_resident_hot=1.0, p_resident_tail=1.0, wait_s=0.0, new_tokens=0.0,
-        queued_prefill_tokens=queued, decode_load=0.0, placements=0.0, load_known=True,
-        score=s,
-    )
 
 
 # ---------------------------------------------------------------- think times
@@ -192,15 +183,21 @@ def test_a_later_turn_may_queue_at_home_up_to_the_recent_ttft_quantile() -> None
     assert {s.replica: s.score for s in ranked} == {A: -550.0, B: -500.0}
 
 
-def test_placement_goes_where_it_displaces_no_returning_context() -> None:
-    h = _horizon(pool=1000, usage=0.0)
-    out = FleetOutlook(h, OutlookSettings(future_weight=1.0, stay_quantile=None,
-                                          pool_headroom=False),
+def _displacing_outlook() -> FleetOutlook:
+    """Displacement and retention only, with think times learnt: sessions come back
+    after 5 s, every time."""
+    out = FleetOutlook(_horizon(pool=1000, usage=0.0),
+                       OutlookSettings(future_weight=1.0, stay_quantile=None,
+                                       pool_headroom=False),
                        prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
-    # Learn think times: sessions come back after 5 s, every time.
     for _ in range(20):
         out.think_times.paused(0.0)
         out.think_times.returned(5.0, 5.0)
+    return out
+
+
+def test_placement_goes_where_it_displaces_no_returning_context() -> None:
+    out = _displacing_outlook()
     # A paused session on A, right at the head of its LRU queue (depth 60 of a 50-block
     # run): any large allocation on A evicts the context it comes back for.
     out.idle_runs.paused("other", A, alloc_mark=0.0, free_mark=10.0, blocks=50, now=99.0)
@@ -227,13 +224,7 @@ def test_the_displacement_curve_matches_the_exact_loss_at_its_grid_points() -> N
 
 
 def test_a_stay_is_not_charged_for_displacing_its_own_paused_run() -> None:
-    h = _horizon(pool=1000, usage=0.0)
-    out = FleetOutlook(h, OutlookSettings(future_weight=1.0, stay_quantile=None,
-                                          pool_headroom=False),
-                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
-    for _ in range(20):
-        out.think_times.paused(0.0)
-        out.think_times.returned(5.0, 5.0)
+    out = _displacing_outlook()
     out.idle_runs.paused("me", A, alloc_mark=0.0, free_mark=10.0, blocks=50, now=99.0)
     ranked = out.price([score(A, 800.0, -1248.0), score(B, 800.0, -1248.0)],
                        _prompt(2048), "me", A, 100.0)

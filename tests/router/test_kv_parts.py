@@ -21,21 +21,13 @@ from router.replica_view import ReplicaView, SessionTail
 from router.scoring import CostModel, ReplicaScore, ScoringWeights
 from router.session_table import SessionState, SessionTable
 from router.session_tracker import SessionTracker
+from tests.router.helpers import replica_score as score
+
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 RULES = ChoiceRules(ScoringWeights(), min_hit_tokens=64, temperature=0.0,
                     balance_abs_tokens=4096.0, balance_rel=2.0)
 PREFERENCE = {A: 0, B: 1, C: 2}
-
-
-def score(replica: ReplicaId, expected: float, total: float, queued: float = 0.0) -> ReplicaScore:
-    return ReplicaScore(
-        replica=replica, matched_blocks=0, gpu_blocks=0, cpu_blocks=0, storage_blocks=0,
-        usable_blocks=0, predicted_cached_tokens=int(expected), expected_cached_tokens=expected,
-        p_index=1.0, p_resident_hot=1.0, p_resident_tail=1.0, wait_s=0.0, new_tokens=0.0,
-        queued_prefill_tokens=queued, decode_load=0.0, placements=0.0, load_known=True,
-        score=total,
-    )
 
 
 def never() -> float:

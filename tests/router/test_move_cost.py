@@ -13,18 +13,10 @@ from router.move_cost import (
     price_moves,
     price_placement,
 )
-from router.scoring import ReplicaScore
+from tests.router.helpers import replica_score as score
+
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
-
-
-def score(replica: ReplicaId, expected: float, s: float) -> ReplicaScore:
-    return ReplicaScore(
-        replica=replica, matched_blocks=0, gpu_blocks=0, cpu_blocks=0, storage_blocks=0,
-        usable_blocks=0, predicted_cached_tokens=int(expected), expected_cached_tokens=expected,
-        p_index=1.0, p_resident_hot=1.0, p_resident_tail=1.0, wait_s=0.0, new_tokens=0.0,
-        queued_prefill_tokens=0.0, decode_load=0.0, placements=0.0, load_known=True, score=s,
-    )
 
 
 def test_busy_share_from_measured_allocations_and_configured_rate() -> None:
@@ -63,7 +55,6 @@ def test_new_conversations_and_origins_without_context_are_not_charged() -> None
     states = {A: FleetState(busy=0.9, reuse=1.0), B: FleetState(busy=0.9, reuse=1.0)}
     assert price_moves(ranked, None, states, 1.0) == (ranked, {})
     assert price_moves(ranked, A, states, 1.0) == (ranked, {})
-
 
 
 def test_reuse_share_is_learnt_from_returns_within_the_horizon() -> None:
