@@ -22,7 +22,6 @@ from router.idle_runs import IdleRuns
 from router.think_times import BUCKET_S, Returning, ThinkTimes
 from tests.router.helpers import replica_score as score
 
-
 A, B = ReplicaId("a"), ReplicaId("b")
 
 

@@ -23,7 +23,6 @@ from router.session_table import SessionState, SessionTable
 from router.session_tracker import SessionTracker
 from tests.router.helpers import replica_score as score
 
-
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 RULES = ChoiceRules(ScoringWeights(), min_hit_tokens=64, temperature=0.0,
                     balance_abs_tokens=4096.0, balance_rel=2.0)

@@ -15,7 +15,6 @@ from router.move_cost import (
 )
 from tests.router.helpers import replica_score as score
 
-
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
 
