@@ -12,7 +12,8 @@ the score's unit (prefill tokens):
    (``router.think_times``) and no longer will is charged.
 2. **Retained context** (``displacement.retained_blocks``): what this conversation
    itself will find of its context when it comes back, if it runs there: a replica whose
-   pool turns over slowly keeps it, one that churns does not.  Credited.
+   pool turns over slowly keeps it, one that churns does not.  Credited, when every
+   candidate's free pool is known (a stale scrape must not decide between replicas).
 3. **Pool headroom**: the replica's pool must hold the request with everything this
    router has in flight there.  Running requests pin their blocks (prompt and reply,
    less the prefix every replica holds, which they share), so a request whose blocks do
@@ -200,6 +201,10 @@ class FleetOutlook:
         reply_blocks = (self._reply_tokens or 0.0) / block_size
         w = self.settings.future_weight * self._alpha * block_size
         allowance = self._allowance() if home is not None else 0.0
+        # Term 2 compares replicas: credited only when every candidate's pool is known
+        # (a replica whose scrape is stale must not lose to one whose is fresh).
+        frees = {s.replica: self._horizon.free_blocks(s.replica, now) for s in ranked}
+        retain = session is not None and None not in frees.values()
         out = []
         for s in ranked:
             r = s.replica
@@ -209,9 +214,9 @@ class FleetOutlook:
                 allocate = max(0.0, (prompt_tokens - s.expected_cached_tokens) / block_size)
                 allocate += reply_blocks
                 lost = self._displaced(r, allocate, rate, session, outlook, now)
-                free = self._horizon.free_blocks(r, now)
+                free = frees[r]
                 kept = 0.0
-                if free is not None and session is not None:
+                if retain and free is not None:
                     kept = retained_blocks(prompt_tokens / block_size + reply_blocks, free,
                                            rate, fresh)
                 adjust += w * (kept - lost)

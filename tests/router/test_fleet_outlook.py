@@ -182,10 +182,10 @@ def test_a_later_turn_may_queue_at_home_up_to_the_recent_ttft_quantile() -> None
     assert {s.replica: s.score for s in ranked} == {A: -550.0, B: -500.0}
 
 
-def _displacing_outlook() -> FleetOutlook:
+def _displacing_outlook(horizon: HorizonEstimator | None = None) -> FleetOutlook:
     """Displacement and retention only, with think times learnt: sessions come back
     after 5 s, every time."""
-    out = FleetOutlook(_horizon(pool=1000, usage=0.0),
+    out = FleetOutlook(horizon or _horizon(pool=1000, usage=0.0),
                        OutlookSettings(future_weight=1.0, stay_quantile=None,
                                        pool_headroom=False),
                        prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
@@ -231,3 +231,17 @@ def test_a_stay_is_not_charged_for_displacing_its_own_paused_run() -> None:
     # the run its own turn re-uses.
     scores = {s.replica: s.score for s in ranked}
     assert scores[A] == pytest.approx(scores[B])
+
+
+def test_no_retained_credit_unless_every_replica_pool_is_known() -> None:
+    horizon = _horizon(pool=1000, usage=0.0)
+    out = _displacing_outlook(horizon)
+    # B's scrape goes stale (only A is scraped again, long after): A's pool is known,
+    # B's is not, so neither is credited what the conversation would keep there.
+    late = 100.0
+    horizon.observe_scrape(A, PoolSample(
+        t=late, block_size=16, num_gpu_blocks=1000, kv_usage=0.0,
+        computed_prompt_tokens_total=None, generation_tokens_total=None))
+    ranked = out.price([score(A, 96.0, -168.0), score(B, 192.0, -72.0)],
+                       _prompt(264), "s", B, late)
+    assert {s.replica: s.score for s in ranked} == {A: -168.0, B: -72.0}
