@@ -6,7 +6,10 @@ router runs on (a generous bound: the machine is shared and loaded)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -26,6 +29,8 @@ from router.render_worker import RenderWorker
 from tests.router.fake_replica import FakeReplica
 from tests.router.helpers import router_settings
 from tests.router.server import run_server
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 _STALL_BOUND_S = 1.0
 """Today's loop holds a 3 MB prompt for seconds; off the loop it is milliseconds of
@@ -175,3 +180,23 @@ async def test_the_worker_renders_exactly_what_the_loop_would(tokenizer_dir: Pat
         assert worker.rendered == 2  # short prompts stay on the loop
     finally:
         await worker.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_six_megabyte_prompts_among_normal_ones_hold_the_loop_briefly() -> None:
+    """The issue's mix (``tests.router.loop_stall``: 6 MB chats among normal ones, refused
+    by length and rendered by the worker), in a fresh process.  The bound is on the CPU
+    the loop's thread spent in its longest stall (a loaded machine's preemption left out),
+    and generous: it holds the measured ~10-50 ms, not the seconds of tokenising on the
+    loop."""
+    env = {**os.environ, "PYTHONPATH": str(_ROOT)}
+    out = subprocess.run([sys.executable, "-m", "tests.router.loop_stall", "3", "30"],
+                         cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300,
+                         check=True)  # fmt: skip
+    cases = [orjson.loads(line) for line in out.stdout.strip().splitlines()]
+    assert [c["case"] for c in cases] == ["refused", "rendered"], out.stdout
+    for c in cases:
+        assert c["big_bytes"] >= 6_000_000, c
+        assert c["statuses"].get("small 200") == 30, c
+        assert c["worst_cpu_ms"] < 1000 * _STALL_BOUND_S, c

@@ -5,6 +5,7 @@ exception (the router's log is checked for ASGI tracebacks)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator, Iterator
@@ -145,6 +146,32 @@ async def test_wrong_types_are_400_as_in_vllm_and_string_booleans_coerce(
                 text = await resp.text()
             assert text.endswith("data: [DONE]\n\n")
             assert '"usage"' not in text  # the usage chunk the router asked for is removed
+
+
+async def test_a_string_true_stream_is_relayed_as_it_comes_not_buffered(
+    kv_router: tuple[str, list[FakeReplica]],
+) -> None:
+    """vLLM streams ``"stream": "true"`` (a lax boolean), so the router relays it as a
+    stream: the first event reaches the client while the replica is still generating,
+    not all of it at the end, read whole as a JSON answer would be."""
+    url, fakes = kv_router
+    for fake in fakes:
+        fake.behaviour.chunk_delay_s = 0.3  # four gaps after the first event: >= 1.2 s
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        for value in ("true", True):
+            async with http.post(url + "/v1/chat/completions",
+                                 json={**base, "stream": value}) as resp:
+                assert resp.status == 200
+                assert "content-length" not in resp.headers, (value, resp.headers)
+                first = await resp.content.readany()
+                t_first = loop.time()
+                rest = await resp.read()
+                t_end = loop.time()
+            assert first.startswith(b"data: ") and (first + rest).endswith(b"data: [DONE]\n\n")
+            # buffered, the whole answer arrives at once, at the end
+            assert t_end - t_first > 0.6, (value, t_end - t_first, first)
 
 
 _VALID: list[tuple[str, dict[str, Any]]] = [
