@@ -157,6 +157,7 @@ class RendererRegistry:
                 max_turn_bytes=self._max_turn_bytes,
                 max_cached_words=self._max_cached_words,
             )
+            renderer.warm()
         target = Target(spec=spec, lora_name=None, renderer=renderer)
         self._targets[spec.name] = target
         for lora in spec.loras:

@@ -172,6 +172,21 @@ class ModelRenderer:
                                       max_cached_words=max_cached_words)
         self.conversations = ConversationMemo(max_bytes=max_turn_bytes)
 
+    def warm(self) -> None:
+        """Compile and analyse the tokenizer's chat templates now, not on the first
+        request: a template's first use costs tens of milliseconds (parsing, the message
+        loop analysis), which a router would otherwise spend on its event loop serving
+        the first chat.  A template that does not parse is left for the request that
+        uses it to report."""
+        for source in self.files.chat_templates.values():
+            detect_content_format(source)
+            message_loops(source)
+            try:
+                template_variables(source)
+                compile_template(source)
+            except jinja2.TemplateError:
+                continue
+
     # -- chat ---------------------------------------------------------------------------
 
     def render_chat(self, body: Mapping[str, Any], keying: Keying | None = None) -> Tokenized:

@@ -132,8 +132,14 @@ class RenderWorker:
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start, initargs=(self._specs, self._memos),
             )
+        try:
+            submitted = executor.submit(_render, endpoint, dict(body))
+        except Exception as exc:  # the pool broke while idle (its process was killed)
+            _log.warning("render worker unavailable: %r", exc)
+            self._restart()
+            return None
         self._pending += 1
-        future = asyncio.wrap_future(executor.submit(_render, endpoint, dict(body)))
+        future = asyncio.wrap_future(submitted)
         future.add_done_callback(self._done)
         try:
             packed = await asyncio.wait_for(asyncio.shield(future), self._budget_s)

@@ -512,3 +512,22 @@ def test_lists_of_released_prompts_are_reused_and_held_ones_never_change(
         del prompt
         for old, ids, keys in kept:
             assert old.token_ids == ids and old.block_keys == keys
+
+
+def test_a_registered_model_compiles_its_templates_before_the_first_request(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    """The first chat of a router process finds its templates compiled: compiling them
+    on first use cost ~50 ms on the event loop (the first request's stall)."""
+    from prompt.message_loop import message_loops
+    from prompt.template_env import compile_template, template_variables
+
+    caches = (compile_template, template_variables, detect_content_format, message_loops)
+    for cache in caches:
+        cache.cache_clear()
+    registry = RendererRegistry([ModelSpec(name="m", block_size=16, tokenizer=tiny_dirs["llama3"])])
+    misses = [cache.cache_info().misses for cache in caches]
+    assert all(misses), misses
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    assert registry.render_chat(body).token_ids
+    assert [cache.cache_info().misses for cache in caches] == misses

@@ -182,6 +182,32 @@ async def test_the_worker_renders_exactly_what_the_loop_would(tokenizer_dir: Pat
         await worker.aclose()
 
 
+
+async def test_a_worker_killed_while_idle_costs_one_render_not_a_500(tokenizer_dir: Path) -> None:
+    """A worker process the OS killed between renders (out of memory, say) leaves a
+    broken pool whose next ``submit`` raises: that request routes by affinity (``None``)
+    and the one after it gets a fresh worker."""
+    spec = ModelSpec(name="m", block_size=16, tokenizer=str(tokenizer_dir))
+    worker = RenderWorker([spec], offload_chars=1000, budget_s=60.0, max_pending=2)
+    body = {"model": "m", "messages": [{"role": "user", "content": _text(5000)}]}
+    try:
+        assert await worker.render("chat", body) is not None
+        executor = worker._executor
+        assert executor is not None
+        (process,) = executor._processes.values()  # type: ignore[attr-defined]
+        process.kill()
+        for _ in range(200):  # the pool notices the death in its management thread
+            if executor._broken:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.01)
+        assert executor._broken  # type: ignore[attr-defined]
+        assert await worker.render("chat", body) is None
+        assert await worker.render("chat", body) is not None
+        assert worker.rendered == 2
+    finally:
+        await worker.aclose()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_six_megabyte_prompts_among_normal_ones_hold_the_loop_briefly() -> None:
