@@ -17,10 +17,13 @@ the score's unit (prefill tokens):
 3. **Pool headroom**: the replica's pool must hold the request with everything this
    router has in flight there.  Running requests pin their blocks (prompt and reply,
    less the prefix every replica holds, which they share), so a request whose blocks do
-   not fit waits until enough of them finish: ``k = ceil(shortfall / mean pinned per
-   request)`` of the ``n`` in flight, about ``k / n`` of a mean service time (learnt
-   from finished requests).  That wait is charged at the prefill rate: the queue term
-   counts prefill ahead, not the memory a long reply keeps pinned for seconds.
+   not fit waits until enough of them finish.  Each request in flight is expected to
+   finish after the mean residual of the service times seen so far, given how long it
+   has already run (``router.service_times``); taken soonest first, the wait is the
+   time until the ones that finish free the shortfall.  So a replica whose long
+   request is about to finish is told apart from one whose long request has just
+   started.  That wait is charged at the prefill rate: the queue term counts prefill
+   ahead, not the memory a long reply keeps pinned for seconds.
 4. **The tail allowance**: a later turn whose replica holds its context is not charged
    the queue there up to the fleet's recent TTFT at quantile ``stay_quantile`` (learnt
    from receipts): a wait that keeps the request out of the tail is not worth its
@@ -38,10 +41,9 @@ seen, and an unknown term is zero.  Synchronous; times are passed in.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvkeys.types import ReplicaId
 from prompt.keyer import Prompt
@@ -55,12 +57,13 @@ from router.displacement import (
 from router.horizon import HorizonEstimator
 from router.idle_runs import IdleRuns
 from router.scoring import ReplicaScore
+from router.service_times import ServiceTimes
 from router.think_times import Returning, ThinkTimes
 
 __all__ = ["FleetOutlook", "OutlookSettings"]
 
 _EWMA = 0.05
-"""Weight of the newest observation in the reply-size and service-time means."""
+"""Weight of the newest observation in the reply-size mean."""
 _MIN_TTFT_SAMPLES = 20
 _TTFT_SAMPLES = 512
 """Recent TTFTs kept for the tail allowance's quantile."""
@@ -85,7 +88,8 @@ class OutlookSettings:
 @dataclass(slots=True)
 class _Pinned:
     blocks: float = 0.0
-    requests: int = 0
+    sent: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Request id -> (blocks pinned, when it was sent)."""
 
 
 class FleetOutlook:
@@ -104,7 +108,7 @@ class FleetOutlook:
         self._alpha = alpha
         self._beta = beta
         self._reply_tokens: float | None = None
-        self._service_s: float | None = None
+        self._service = ServiceTimes()
         self._pinned: dict[ReplicaId, _Pinned] = {}
         self._in_flight: OrderedDict[str, tuple[ReplicaId, float, float]] = OrderedDict()
         self._ttfts: deque[float] = deque(maxlen=_TTFT_SAMPLES)
@@ -129,11 +133,11 @@ class FleetOutlook:
                 self.think_times.returned(max(0.0, now - paused_at), now)
         pinned = self._pinned.setdefault(replica, _Pinned())
         pinned.blocks += blocks
-        pinned.requests += 1
+        pinned.sent[request_id] = (blocks, now)
         self._in_flight[request_id] = (replica, blocks, now)
         while len(self._in_flight) > _MAX_IN_FLIGHT:
-            _, (r, b, _t) = self._in_flight.popitem(last=False)
-            self._unpin(r, b)
+            rid, (r, b, _t) = self._in_flight.popitem(last=False)
+            self._unpin(r, rid, b)
 
     def finished(
         self, request_id: str, session: str | None, replica: ReplicaId,
@@ -143,8 +147,8 @@ class FleetOutlook:
         and reply size, and start its session's pause."""
         sent = self._in_flight.pop(request_id, None)
         if sent is not None:
-            self._unpin(sent[0], sent[1])
-            self._service_s = _ewma(self._service_s, now - sent[2])
+            self._unpin(sent[0], request_id, sent[1])
+            self._service.observe(now - sent[2])
         if ttft_s is not None:
             self._ttfts.append(ttft_s)
             self._ttft_seen += 1
@@ -164,11 +168,10 @@ class FleetOutlook:
         self._pinned.pop(replica, None)
         self._curves.pop(replica, None)
 
-    def _unpin(self, replica: ReplicaId, blocks: float) -> None:
+    def _unpin(self, replica: ReplicaId, request_id: str, blocks: float) -> None:
         pinned = self._pinned.get(replica)
-        if pinned is not None:
+        if pinned is not None and pinned.sent.pop(request_id, None) is not None:
             pinned.blocks = max(0.0, pinned.blocks - blocks)
-            pinned.requests = max(0, pinned.requests - 1)
 
     def pinned_blocks(self, prompt_tokens: int, shared_tokens: float, block_size: int) -> float:
         """The blocks a request pins beyond the prefix every replica holds: its prompt
@@ -221,7 +224,7 @@ class FleetOutlook:
                                            rate, fresh)
                 adjust += w * (kept - lost)
             if self.settings.pool_headroom:
-                adjust -= self._rate * self._pool_wait_s(r, need, shared // block_size)
+                adjust -= self._rate * self._pool_wait_s(r, need, shared // block_size, now)
             if r == home and s.expected_cached_tokens > shared:
                 adjust += self._beta * min(s.queued_prefill_tokens, allowance)
             out.append(replace(s, score=s.score + adjust) if adjust else s)
@@ -248,18 +251,25 @@ class FleetOutlook:
                 lost -= displaced_blocks([own], allocate, rate, outlook)
         return max(0.0, lost)
 
-    def _pool_wait_s(self, replica: ReplicaId, need: float, shared_blocks: float) -> float:
+    def _pool_wait_s(
+        self, replica: ReplicaId, need: float, shared_blocks: float, now: float
+    ) -> float:
         """Seconds until the replica's pool holds ``need`` more blocks (term 3)."""
         pool = self._horizon.pool_blocks(replica)
         pinned = self._pinned.get(replica)
-        if pool is None or pinned is None or pinned.requests == 0 or self._service_s is None:
+        if pool is None or pinned is None or not pinned.sent or not self._service:
             return 0.0
         short = pinned.blocks + need + shared_blocks - pool
         if short <= 0:
             return 0.0
-        per_request = max(1.0, pinned.blocks / pinned.requests)
-        k = math.ceil(short / per_request)
-        return min(k, pinned.requests) / pinned.requests * self._service_s
+        remaining = self._service.remaining
+        finishing = sorted((remaining(now - t) or 0.0, b) for b, t in pinned.sent.values())
+        freed = 0.0
+        for left, blocks in finishing:
+            freed += blocks
+            if freed >= short:
+                return left
+        return finishing[-1][0]
 
     def _allowance(self) -> float:
         """The queue, in tokens, a later turn's own replica is not charged (term 4)."""

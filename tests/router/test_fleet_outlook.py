@@ -19,6 +19,7 @@ from router.displacement import (
 from router.fleet_outlook import FleetOutlook, OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.idle_runs import IdleRuns
+from router.service_times import ServiceTimes
 from router.think_times import BUCKET_S, Returning, ThinkTimes
 from tests.router.helpers import replica_score as score
 
@@ -161,6 +162,42 @@ def test_pool_headroom_charges_the_wait_for_memory() -> None:
     ranked = out.price([score(A, 0.0, -800.0), score(B, 0.0, -800.0)],
                        _prompt(800), None, None, 4.0)
     assert [s.score for s in ranked] == [-800.0, -800.0]
+
+
+def test_service_times_give_the_mean_residual_of_what_was_seen() -> None:
+    st = ServiceTimes()
+    assert st.remaining(0.0) is None
+    for seconds in (1.0, 2.0, 3.0, 10.0):
+        st.observe(seconds)
+    assert st.remaining(0.0) == pytest.approx(4.0)  # the mean
+    assert st.remaining(2.5) == pytest.approx((3.0 + 10.0) / 2 - 2.5)  # 4: the long tail
+    assert st.remaining(9.0) == pytest.approx(1.0)
+    assert st.remaining(20.0) == 0.0  # past everything seen
+    for _ in range(300):  # bounded: the newest samples only
+        st.observe(1.0)
+    assert len(st) == 256 and st.remaining(0.0) == pytest.approx(1.0)
+
+
+def test_pool_wait_is_shorter_where_the_request_in_flight_is_about_to_finish() -> None:
+    h = _horizon(pool=100)
+    for r in (A, B):
+        h.observe_scrape(r, PoolSample(t=0.0, block_size=16, num_gpu_blocks=100, kv_usage=0.0,
+                                       computed_prompt_tokens_total=None,
+                                       generation_tokens_total=None))
+    out = FleetOutlook(h, OutlookSettings(future_weight=0.0, stay_quantile=None),
+                       prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
+    for i in range(8):  # every request so far took 4 s
+        _pin(out, f"old{i}", 10.0, 0.0)
+        out.finished(f"old{i}", None, A, None, None, None, 4.0)
+    # 80 blocks in flight on each: A's since 3.5 s ago, B's just sent.
+    out.routed("a1", None, A, _prompt(80 * 16), [], None, 4.0)
+    out.routed("b1", None, B, _prompt(80 * 16), [], None, 7.5)
+    ranked = out.price([score(B, 0.0, -800.0), score(A, 0.0, -800.0)],
+                       _prompt(800), None, None, 7.5)
+    # A frees its blocks in about 0.5 s (500 tokens), B in about 4 s (4,000 tokens).
+    assert [s.replica for s in ranked] == [A, B]
+    assert ranked[0].score == pytest.approx(-800.0 - 500.0)
+    assert ranked[1].score == pytest.approx(-800.0 - 4000.0)
 
 
 def test_a_later_turn_may_queue_at_home_up_to_the_recent_ttft_quantile() -> None:
