@@ -178,6 +178,14 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
     c.add_argument("--peer", action="append", default=[], metavar="SPEC",
                    help="name=NAME;cmd=COMMAND with {port} and {workers};ready=/health "
                    "(repeatable)")
+    c.add_argument("--peers", choices=("none", "standard"), default="none",
+                   help="standard: sglang-router cache_aware, vllm-router cache_aware and "
+                   "consistent_hash, from PATH or --peer-bin (bench/overhead_peers.py)")
+    c.add_argument("--peer-bin", type=Path, default=None,
+                   help="folder holding the peers' binaries (smg, vllm-router)")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="runs of every target at every sweep point, interleaved round by "
+                   "round; the table gives medians with the spread [min-max]")
     c.add_argument("--sweep", action="append", default=[], metavar="AXIS=V1,V2",
                    help="vary replicas, num_blocks or think (a factor on think times); "
                    "repeatable, one axis at a time")
@@ -367,6 +375,12 @@ def _bench_compare(args: argparse.Namespace) -> int:
     from bench.compare import PeerSpec, reexec_in_netns, run_compare
 
     peers = [PeerSpec.parse(s) for s in args.peer]
+    if args.peers == "standard":
+        from bench.overhead_peers import standard_peers
+
+        peers = standard_peers(args.peer_bin) + peers
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     if peers and not os.environ.get(NETNS_ENV):
         return reexec_in_netns(NETNS_ENV, sys.argv[1:])
     try:

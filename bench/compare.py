@@ -61,9 +61,11 @@ class PeerSpec:
             raise ValueError(f"peer spec needs name= and cmd=: {text!r}")
         return cls(fields["name"], fields["cmd"], fields.get("ready", "/health"))
 
-    def argv(self, port: int, workers: Sequence[str]) -> list[str]:
-        """The command line for ``port`` and the replica URLs."""
-        filled = self.command.format(
+    def argv(self, port: int, workers: Sequence[str], aux: int | None = None) -> list[str]:
+        """The command line for ``port`` and the replica URLs (``{aux}``: a second free
+        port, for a peer's metrics listener)."""
+        command = self.command if aux is None else self.command.replace("{aux}", str(aux))
+        filled = command.format(
             port=port, workers=" ".join(workers), workers_comma=",".join(workers)
         )
         return shlex.split(filled)
@@ -147,7 +149,7 @@ async def run_target(
                 results = await _replay(cfg, trace, progress)
         elif target.peer is not None:
             port = free_port()
-            argv = target.peer.argv(port, fleet.replica_urls)
+            argv = target.peer.argv(port, fleet.replica_urls, aux=free_port())
             async with fleet.peer(target.name, argv, port, target.peer.ready_path) as url:
                 results = await _replay(replace(base, url=url), trace, progress)
         else:
@@ -253,6 +255,7 @@ async def run_compare(
     policies = [p for p in args.policies.split(",") if p]
     targets = [Target(p, policy=p) for p in policies] + [Target(p.name, peer=p) for p in peers]
     scale = args.time_scale or 0.1
+    repeats = max(1, getattr(args, "repeats", 1))
     if scale != 1.0:
         say(f"note: time scale {scale:g}: the replicas run {1 / scale:g}x faster than the "
             "routers' wall clocks (provisional TTL, placement decay, eviction horizon), so "
@@ -281,20 +284,27 @@ async def run_compare(
                                             max_tokens_cap=args.max_tokens)
                 bounds = cache_bounds(reqs, block_size=args.block_size,
                                       capacity=replicas * (num_blocks - 1), model=spec.model)
-                runs = await run_targets(fleet, targets, trace, run_cfg,
-                                         progress_bars(not args.no_progress, len(trace)))
-            summaries = [report.summarize(r.target.name, r.results, time_scale=scale,
-                                          bounds=bounds, wall_s=round(r.wall_s, 2))
-                         for r in runs if r.error is None]
-            skipped = [f"skipped {r.target.name}: {r.error}" for r in runs if r.error]
-            texts.append("\n".join(filter(None, [label, report.format_table(summaries, bounds),
-                                                  *skipped])))
-            for s in summaries:
-                points.append({"axis": axis, "value": value, "policy": s.name,
-                               "cached_share": s.cached_share,
-                               "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
-                               "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
-                               "bounds": bounds.shares(), **s.to_json()})
+                rounds = []
+                for _ in range(repeats):  # targets interleaved round by round
+                    rounds.append(await run_targets(
+                        fleet, targets, trace, run_cfg,
+                        progress_bars(not args.no_progress, len(trace))))
+            summaries = [[report.summarize(r.target.name, r.results, time_scale=scale,
+                                           bounds=bounds, wall_s=round(r.wall_s, 2))
+                          for r in runs if r.error is None] for runs in rounds]
+            skipped = [f"skipped {r.target.name}: {r.error}" for runs in rounds for r in runs
+                       if r.error]
+            table = (report.format_table(summaries[0], bounds) if repeats == 1
+                     else report.format_repeats(summaries, bounds))
+            texts.append("\n".join(filter(None, [label, table, *skipped])))
+            for i, round_summaries in enumerate(summaries):
+                for s in round_summaries:
+                    points.append({"axis": axis, "value": value, "policy": s.name,
+                                   "repeat": i, "cached_share": s.cached_share,
+                                   "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
+                                   "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
+                                   "bounds": bounds.shares(), **s.to_json()})
+            runs = rounds[-1]
             if axis == "none":
                 by_name = {r.target.name: r.results for r in runs if r.error is None}
                 plots.ttft_distribution(by_name, out / "ttft-distribution.png",
@@ -303,7 +313,7 @@ async def run_compare(
     for axis, _ in sweeps:
         if axis == "none":
             continue
-        pts = [{**p, axis: p["value"]} for p in points if p["axis"] == axis]
+        pts = _medians([{**p, axis: p["value"]} for p in points if p["axis"] == axis])
         plots.sweep_plot(pts, out / f"sweep-{axis}-cached.png", x=axis, y="cached_share",
                          title=f"cached share vs {axis}")
         plots.sweep_plot(pts, out / f"sweep-{axis}-p99.png", x=axis, y="ttft_p99_ms",
@@ -311,6 +321,18 @@ async def run_compare(
     (out / "compare.json").write_text(json.dumps({"points": points}, indent=2) + "\n")
     texts.append(f"written: {out / 'compare.json'}")
     return "\n\n".join(texts)
+
+
+def _medians(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point per (policy, sweep value): the median of its repeats' figures."""
+    import statistics
+
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["policy"], p["value"]), []).append(p)
+    return [{**runs[0], **{k: statistics.median(r[k] for r in runs)
+                           for k in ("cached_share", "ttft_p99_ms", "ttft_p50_ms")}}
+            for runs in groups.values()]
 
 
 def progress_bars(

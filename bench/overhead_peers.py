@@ -53,7 +53,7 @@ def standard_peers(bin_dir: Path | None) -> list[PeerSpec]:
         if path is None or not Path(path).exists():
             raise SystemExit(f"{exe} not found (pip install sglang-router vllm-router, or "
                              "--peer-bin DIR)")
-        # ``{aux}`` stays a placeholder for ``start_peers`` (a free port each).
+        # ``{aux}`` stays a placeholder for ``PeerSpec.argv`` (a free port each).
         out.append(PeerSpec(name, template.replace("{bin}", str(path))))
     return out
 
@@ -120,8 +120,7 @@ def start_peers(peers: Sequence[PeerSpec], replica_ports: Sequence[int],
     out = []
     for spec in peers:
         port, aux = free_port(), free_port()
-        argv = PeerSpec(spec.name, spec.command.replace("{aux}", str(aux)),
-                        spec.ready_path).argv(port, workers)
+        argv = spec.argv(port, workers, aux=aux)
         log = (log_dir / (spec.name.replace(" ", "_") + ".log")).open("wb")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

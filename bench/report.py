@@ -194,6 +194,64 @@ def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> st
     return "\n".join(out)
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _spread_pct(values: Sequence[float]) -> str:
+    """``median [min-max]`` of shares, in percent with one decimal."""
+    return (f"{statistics.median(values):.1%} [{min(values):.1%}-{max(values):.1%}]"
+            if values else "-")
+
+
+def _spread_s(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return f"{_fmt_s(statistics.median(values))} [{_fmt_s(min(values))}-{_fmt_s(max(values))}]"
+
+
+def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None = None) -> str:
+    """The comparison table over repeated rounds: per target, the median of its runs
+    with the spread ``[min-max]`` of the cached share and the TTFT p99, the other
+    columns as medians, errors summed; then one row per cache bound."""
+    by_name: dict[str, list[RunSummary]] = {}
+    for summaries in rounds:
+        for s in summaries:
+            by_name.setdefault(s.name, []).append(s)
+    cols = ["policy", "runs", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "p99",
+            "same replica", "errors"]
+    rows: list[list[str]] = []
+    for name, runs in by_name.items():
+        p99s = [s.ttft_p99 for s in runs if s.ttft_p99 is not None]
+        rows.append([
+            name, str(len(runs)), _spread_pct([s.cached_share for s in runs]),
+            _fmt_pct(_median([s.of_pooled_lru for s in runs])),
+            _fmt_pct(_median([s.of_optimal for s in runs])),
+            _fmt_pct(_median([s.of_unbounded for s in runs])),
+            _fmt_s(_median([s.ttft_p50 for s in runs])), _spread_s(p99s),
+            _fmt_pct(_median([s.stay_share for s in runs])),
+            str(sum(s.errors for s in runs)),
+        ])
+    if bounds is not None:
+        for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
+                            ("pooled optimal", bounds.pooled_optimal_saved),
+                            ("unbounded", bounds.unbounded_saved)):
+            share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
+            rows.append([f"bound: {name}", "-", f"{share:.1%}"] + ["-"] * (len(cols) - 3))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
 def to_json(
     runs: Sequence[RunSummary],
     bounds: Bounds | None,

@@ -6,7 +6,7 @@ import pytest
 
 from bench.bounds import Bounds
 from bench.compare import PeerSpec, parse_sweep, scale_think
-from bench.report import format_table, percentile, stay_share, summarize
+from bench.report import format_repeats, format_table, percentile, stay_share, summarize
 from bench.runner import RequestResult
 from bench.workload import generate, preset
 
@@ -19,6 +19,8 @@ def test_peer_spec_parse_and_argv() -> None:
     assert spec.argv(9000, ["http://a:1", "http://b:2"]) == [
         "vllm-router", "--host", "127.0.0.1", "--port", "9000", "--worker-urls",
         "http://a:1", "http://b:2"]
+    metrics = PeerSpec.parse("name=m;cmd=r --port {port} --prometheus-port {aux}")
+    assert metrics.argv(1, ["u"], aux=2) == ["r", "--port", "1", "--prometheus-port", "2"]
     comma = PeerSpec.parse("name=x;cmd=r --w {workers_comma};ready=/ready")
     assert comma.argv(1, ["u", "v"]) == ["r", "--w", "u,v"] and comma.ready_path == "/ready"
     with pytest.raises(ValueError):
@@ -65,3 +67,18 @@ def test_summary_figures() -> None:
     assert stay_share([]) is None
     table = format_table([s], bounds)
     assert "bound: pooled optimal" in table and "40%" in table
+
+
+def test_repeated_rounds_are_reported_as_medians_with_their_spread() -> None:
+    bounds = Bounds(prompt_tokens=900, pooled_lru_saved=300, pooled_optimal_saved=450,
+                    unbounded_saved=600)
+    rounds = []
+    for cached, ttft in ((90, 1.0), (180, 3.0), (270, 2.0)):  # shares 10%, 20%, 30%
+        results = [res("a", 1, "r1", 300, 0, ttft), res("a", 2, "r1", 600, cached, ttft)]
+        rounds.append([summarize("kv", results, time_scale=0.1, bounds=bounds)])
+    table = format_repeats(rounds, bounds)
+    row = next(line for line in table.splitlines() if line.startswith("kv"))
+    assert row.split()[1] == "3"  # runs
+    assert "20.0% [10.0%-30.0%]" in row  # the median cached share and its spread
+    assert "200 ms [100 ms-300 ms]" in row  # TTFT p99 (simulated: ttft / 10)
+    assert "bound: pooled LRU" in table and "33.3%" in table
