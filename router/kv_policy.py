@@ -477,6 +477,17 @@ class KvPolicy:
             m.came_back_turns.labels(chosen.replica).inc()
             m.came_back_held_tokens.labels(chosen.replica).inc(chosen.predicted_cached_tokens)
 
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop what the policy learnt of ``replica``: it left the fleet, joined anew or
+        restarted (its caches are empty, its counters start again).  Provisional
+        entries, the horizon and pool, receipt trust, the look ahead's paused
+        conversations and pinned blocks, and the load view's remembered terms."""
+        self.provisional.forget(replica)
+        self.horizon.forget(replica)
+        self.calibration.forget(replica)
+        self.outlook.forget(replica)
+        self.view.forget(replica)
+
     # ------------------------------------------------------------------ metrics
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:
         """Scrape-time gauge rows for ``KvMetrics`` (horizon, rate, load terms, trust)."""

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -64,6 +64,7 @@ from router.session_policy import SessionPolicy
 __all__ = [
     "KvServices",
     "RegistryPrompts",
+    "ReplicaResets",
     "copy_fields",
     "kv_config",
     "kv_factory",
@@ -154,6 +155,22 @@ class RegistryPrompts:
         return True
 
 
+class ReplicaResets:
+    """Who must hear that a replica's event source restarted (its engine restarted:
+    empty caches, counters from 0): the ``kv`` policy drops what it learnt of it."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Callable[[ReplicaId], None]] = []
+
+    def listen(self, listener: Callable[[ReplicaId], None]) -> None:
+        """Call ``listener(replica)`` on every restart."""
+        self._listeners.append(listener)
+
+    def restarted(self, replica: ReplicaId) -> None:
+        for listener in self._listeners:
+            listener(replica)
+
+
 @dataclass(slots=True)
 class KvServices:
     """What the ``kv`` service yields: shared by the ``kv`` policy and ``/debug/route``."""
@@ -163,6 +180,7 @@ class KvServices:
     horizon: HorizonEstimator
     scraper: MetricsScraper | None
     ingestion: MemberIngestion | None
+    resets: ReplicaResets = field(default_factory=ReplicaResets)
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """The event-source snapshot of ``replica``, if it has a source."""
@@ -186,9 +204,12 @@ class KvServices:
 class _HorizonObserver:
     """Feeds ``BlockStored`` counts into the horizon estimator (``IngestObserver``)."""
 
-    def __init__(self, horizon: HorizonEstimator, ctx: PolicyContext) -> None:
+    def __init__(
+        self, horizon: HorizonEstimator, ctx: PolicyContext, resets: ReplicaResets
+    ) -> None:
         self._horizon = horizon
         self._clock = ctx.clock
+        self._resets = resets
 
     def batch_applied(self, replica: ReplicaId, result: BatchResult) -> None:
         if result.blocks_stored:
@@ -201,7 +222,9 @@ class _HorizonObserver:
         """Counted by the source status."""
 
     def resync(self, replica: ReplicaId, reason: str) -> None:
-        """Counted by the source status."""
+        """Counted by the source status; an engine restart resets what was learnt."""
+        if reason == "restart":
+            self._resets.restarted(replica)
 
 
 def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
@@ -275,6 +298,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
     registry = RendererRegistry(_model_specs(s), remote=remote, **memos)
     remote_counters = RemoteRenderCollector(remote.stats)
     horizon = HorizonEstimator(tau_s=s.horizon_tau_s, stale_s=3 * s.scrape.stale_after_s)
+    resets = ReplicaResets()
     index_metrics = IndexMetrics(ctx.metrics.registry)
     running = _Running(ctx.replicas, ctx.clock)
     sizes = _block_size_check(s, registry, running, index_metrics)
@@ -286,7 +310,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             ctx.settings, index_metrics, tasks=ctx.tasks, http=ctx.http,
             membership=Membership(lambda: ctx.replicas.ids, partial(_spec, ctx),
                                   ctx.replicas.on_membership),
-            observers=(_HorizonObserver(horizon, ctx), sizes),
+            observers=(_HorizonObserver(horizon, ctx, resets), sizes),
             gauge_replicas=lambda: [ReplicaId(st.id) for st in ctx.replicas.all()],
         ) as stack:  # fmt: skip
             running.ingestion = stack.ingestion
@@ -295,7 +319,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             scraping = _start_scraper(ctx, horizon, running)
             try:
                 yield KvServices(prompts, stack.index, horizon, running.scraper,
-                                 stack.ingestion)  # fmt: skip
+                                 stack.ingestion, resets)  # fmt: skip
             finally:
                 if scraping is not None:  # stopped before the stack closes the index
                     scraping.cancel()
@@ -475,6 +499,9 @@ def kv_factory(ctx: PolicyContext) -> KvPolicy:
         rng=ctx.rng,
     )
     ctx.metrics.kv.bind_state(_MemberRows(policy, replicas))
+    # A replica that left, joined anew or restarted starts from nothing learnt.
+    replicas.on_membership(lambda _change, replica: policy.forget(replica))
+    svc.resets.listen(policy.forget)
     return policy
 
 

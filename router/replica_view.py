@@ -71,6 +71,10 @@ class _FreshnessTracker:
         self._statuses = statuses
         self._seen: dict[ReplicaId, tuple[int, int, float | None, float | None]] = {}
 
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop the remembered counters of ``replica``."""
+        self._seen.pop(replica, None)
+
     def get(
         self, replica: ReplicaId, now: float, wall: float, trust: float
     ) -> tuple[Freshness, bool]:
@@ -229,6 +233,15 @@ class ReplicaView:
             self._sent_prefill[replica] = self._sent_prefill.get(replica, 0) + prefill_tokens
         if new_conversation:
             self._placed[replica] = (self._placements(replica, now) + 1.0, now)
+
+    def forget(self, replica: ReplicaId) -> None:
+        """Drop what was learnt of ``replica`` (it left, joined anew or restarted); the
+        prefill of requests still in flight there stays counted until they finish."""
+        self._last_terms.pop(replica, None)
+        self._placed.pop(replica, None)
+        self._own_at_scrape.pop(replica, None)
+        self._fluid.pop(replica, None)
+        self._freshness.forget(replica)
 
     def finished(self, replica: ReplicaId, prefill_tokens: int) -> None:
         """A request routed to ``replica`` with ``prefill_tokens`` finished."""

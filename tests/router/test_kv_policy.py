@@ -438,3 +438,35 @@ async def test_new_conversations_go_where_the_cache_is_lost_anyway(
     assert await first_choices(env_with_history()) == {R[3]}
     unpriced = env_with_history(config=KvConfig(price_placements=False))
     assert len(await first_choices(unpriced)) > 1  # ring order spreads them
+
+
+async def test_a_replica_that_left_or_restarted_starts_from_nothing_learnt(
+    registry: RendererRegistry,
+) -> None:
+    # What the policy learnt of r1 (provisional blocks, the pool, receipt trust, the
+    # paused conversation's run, the load view) describes an engine that is gone once
+    # r1 leaves or restarts: forget drops it, and r2's stays.
+    env = Env(registry)
+    h = env.policy.horizon
+    for replica in (R[1], R[2]):
+        h.observe_scrape(replica, PoolSample(env.clock.t, 16, 1000, 0.5, None, None),
+                         count_allocations=False)
+    r = req(chat("forget me", "a", "b"), session="gone")
+    await env.hold(R[1], req(chat("forget me")))
+    d = await env.policy.route(r, R)
+    assert d.replica == R[1]
+    assert env.policy.provisional.run(R[1], (await env.prompt(r)).block_keys, env.clock.t)
+    env.policy.record(r, d, Receipt(R[1], True, prompt_tokens=330, cached_tokens=0,
+                                    completion_tokens=20))
+    outlook = env.policy.outlook
+    assert outlook.idle_runs.replica_of("gone") == R[1]
+    assert env.policy.calibration.trust(R[1]) < 1.0
+    assert h.free_blocks(R[1], env.clock.t) is not None
+
+    env.policy.forget(R[1])
+    assert not env.policy.provisional.run(R[1], (await env.prompt(r)).block_keys,
+                                          env.clock.t)
+    assert outlook.idle_runs.replica_of("gone") is None
+    assert env.policy.calibration.trust(R[1]) == 1.0
+    assert h.free_blocks(R[1], env.clock.t) is None
+    assert h.free_blocks(R[2], env.clock.t) is not None
