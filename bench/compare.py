@@ -256,11 +256,11 @@ async def run_compare(
     targets = [Target(p, policy=p) for p in policies] + [Target(p.name, peer=p) for p in peers]
     scale = args.time_scale or 0.1
     repeats = max(1, getattr(args, "repeats", 1))
-    if scale != 1.0:
-        say(f"note: time scale {scale:g}: the replicas run {1 / scale:g}x faster than the "
-            "routers' wall clocks (provisional TTL, placement decay, eviction horizon), so "
-            "routing judgements see stretched time; pass --time-scale 1 for figures that "
-            "do not depend on it (or use `kvroute replay`)")
+    if scale != 1.0 and peers:
+        say(f"note: time scale {scale:g}: kvroute's routers judge time in the replicas' "
+            "time (RouterSettings.time_scale), the peer routers in wall time (their "
+            f"windows are stretched {1 / scale:g}x); pass --time-scale 1 for figures where "
+            "no router's clock differs from the replicas'")
     run_cfg = RunConfig(url="", model="kvroute-bench", time_scale=scale, replies=args.replies,
                         stream=not args.no_stream, max_tokens_cap=args.max_tokens,
                         sim_timing=True)

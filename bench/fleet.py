@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +56,8 @@ class FleetSpec:
     num_blocks: int | None = None
     """KV blocks per replica, the null block included (``None``: the profile's)."""
     time_scale: float = 1.0
+    """Wall seconds per simulated second, for the replicas and the router's judgement
+    clock alike (``RouterSettings.time_scale``)."""
     profile: str = "default"
     router: bool = True
     policy: str | None = None
@@ -131,13 +133,15 @@ class Fleet:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvroute-fleet-")
         return Path(self._tmp.name)
 
-    async def _spawn(self, name: str, argv: Sequence[str]) -> _Child:
+    async def _spawn(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
+    ) -> _Child:
         log = self._log_dir() / f"{name}.log"
         with log.open("wb") as fh:
             proc = await asyncio.create_subprocess_exec(
                 *self.spec.wrap, *argv,
                 stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **self.spec.env},
+                start_new_session=True, env={**os.environ, **self.spec.env, **(env or {})},
             )
         child = _Child(name, proc, log)
         self._children.append(child)
@@ -171,7 +175,8 @@ class Fleet:
             *(["--policy", policy] if policy else []),
             *self.spec.router_args,
         )
-        child = await self._spawn(name, argv)
+        # The router judges time in the replicas' time (``RouterSettings.time_scale``).
+        child = await self._spawn(name, argv, {"KVROUTE_TIME_SCALE": str(self.spec.time_scale)})
         url = f"http://127.0.0.1:{port}"
         await self._wait_http(child, url + "/ready")
         return url, child

@@ -84,6 +84,18 @@ class State(TypedDict):
     membership: Membership
 
 
+def _judgement_clock(clock: Callable[[], float], time_scale: float) -> Callable[[], float]:
+    """The clock of the policies and the proxy's timings: ``clock`` slowed down by
+    ``time_scale`` wall seconds per second (``RouterSettings.time_scale``)."""
+    if time_scale == 1.0:
+        return clock
+
+    def scaled() -> float:
+        return clock() / time_scale
+
+    return scaled
+
+
 def create_app(
     settings: RouterSettings,
     *,
@@ -146,9 +158,10 @@ def create_app(
             )
             await prober.probe_once()
             tasks.supervise(prober.run, name="health-prober")
+            judge = _judgement_clock(clock, settings.time_scale)
             ctx = PolicyContext(
                 settings=settings, replicas=replicas, load=load, metrics=metrics,
-                http=session, tasks=tasks, clock=clock, rng=the_rng,
+                http=session, tasks=tasks, clock=judge, rng=the_rng,
             )
             for service in service_list:
                 ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))
@@ -157,7 +170,7 @@ def create_app(
                 resolver=resolver, sighup=sighup))
             policies = PolicyRegistry(factories, ctx, settings.policy)
             proxy = Proxy(settings, replicas=replicas, load=load, metrics=metrics,
-                          policies=policies, session=session, clock=clock, access=access)
+                          policies=policies, session=session, clock=judge, access=access)
             state = State(settings=settings, proxy=proxy, replicas=replicas, load=load,
                           metrics=metrics, policies=policies, context=ctx, access=access,
                           membership=membership)

@@ -263,6 +263,14 @@ class RouterSettings(BaseSettings):
     chat with room to spare."""
     seed: int | None = None
     """Seed of the ``random`` policy's generator (``None``: from the OS)."""
+    time_scale: float = Field(default=1.0, gt=0)
+    """Wall seconds per second of the router's judgement clock: leave at 1 in front of
+    real engines.  Simulated replicas that run faster than real time (``kvroute sim
+    --time-scale 0.1``) need the same value here, so that what the policy learns in
+    seconds (think and service times, TTFTs, allocation rates, the scrape interval,
+    provisional and placement windows) is in the replicas' time, like the configured
+    prefill rate it is weighed against; network timeouts and health probes stay in
+    wall seconds."""
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     """Network timeouts."""
     health: HealthSettings = Field(default_factory=HealthSettings)

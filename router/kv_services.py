@@ -388,7 +388,7 @@ def _start_scraper(ctx: PolicyContext, horizon: HorizonEstimator,
     scraper = MetricsScraper(
         ctx.http, lambda: [(st.id, st.url) for st in replicas.all()],
         clock=ctx.clock, interval_s=s.scrape.interval_s, timeout_s=s.scrape.timeout_s,
-        stale_after_s=s.scrape.stale_after_s,
+        stale_after_s=s.scrape.stale_after_s, time_scale=ctx.settings.time_scale,
     )
     scraper.add_listener(_pool_listener(horizon, lambda: running.ingestion))
     running.scraper = scraper

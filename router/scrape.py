@@ -170,6 +170,7 @@ class MetricsScraper:
         timeout_s: float = 0.5,
         stale_after_s: float = 3.0,
         listeners: Iterable[SampleListener] = (),
+        time_scale: float = 1.0,
     ) -> None:
         self._http = http
         self._targets = targets
@@ -180,6 +181,8 @@ class MetricsScraper:
         self._latest: dict[ReplicaId, ScrapeSample] = {}
         self._listeners = list(listeners)
         self.failures: dict[ReplicaId, int] = {}
+        self._time_scale = time_scale
+        """Wall seconds per second of ``clock`` (the interval is in ``clock``'s time)."""
 
     def add_listener(self, listener: SampleListener) -> None:
         """Call ``listener(replica, sample)`` after each successful scrape."""
@@ -198,7 +201,7 @@ class MetricsScraper:
             started = self._clock()
             await self.scrape_once()
             elapsed = self._clock() - started
-            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
+            await asyncio.sleep(max(0.0, self.interval_s - elapsed) * self._time_scale)
 
     async def scrape_once(self) -> None:
         """One concurrent round over every target."""

@@ -178,3 +178,19 @@ async def test_concurrent_streams_are_independent(
 
     results = await asyncio.gather(*(one(i) for i in range(20)))
     assert all(r.endswith(b"data: [DONE]\n\n") and r.count(b"data: ") == 5 for r in results)
+
+
+async def test_time_scale_puts_the_routers_timings_in_the_replicas_time(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession
+) -> None:
+    # Replicas simulated 10x faster than real time: 50 ms of wall time is half a second
+    # of theirs, and that is what the router measures (and its policies learn from).
+    (fake,) = await fakes(1)
+    fake.behaviour.headers_delay_s = 0.05
+    url = await start_router([fake], time_scale=0.1)
+    async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+        assert resp.status == 200
+    samples = await scrape(client, url)
+    total = sum(v for (name, _), v in samples.items()
+                if name == "router_request_duration_seconds_sum")
+    assert 0.5 <= total < 5.0, total

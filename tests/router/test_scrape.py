@@ -106,3 +106,31 @@ async def test_scrapes_a_live_sim_and_marks_stale_and_failed(sim: SimHandle) -> 
     assert rate is not None and rate > 0
     h = horizon.horizon_s(a, now[0])
     assert h is not None and h == pytest.approx(512 / rate)
+
+
+async def test_the_interval_is_in_the_clock_s_time() -> None:
+    """With ``time_scale`` wall seconds per second of its clock (``RouterSettings
+    .time_scale`` in front of replicas simulated 100x faster), a 1 s interval is 10 ms of
+    wall time: the replicas are scraped once per second of their own time."""
+    import asyncio
+    import time
+
+    rounds = {0.01: 0, 1.0: 0}
+
+    async def run(scale: float) -> None:
+        def targets() -> list[tuple[ReplicaId, str]]:
+            rounds[scale] += 1
+            return []
+
+        async with aiohttp.ClientSession() as http:
+            scraper = MetricsScraper(http, targets, clock=lambda: time.monotonic() / scale,
+                                     interval_s=1.0, time_scale=scale)
+            task = asyncio.create_task(scraper.run())
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    await asyncio.gather(run(0.01), run(1.0))
+    assert rounds[1.0] == 1
+    assert 10 <= rounds[0.01] <= 31, rounds
