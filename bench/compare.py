@@ -265,6 +265,7 @@ async def run_compare(
                         stream=not args.no_stream, max_tokens_cap=args.max_tokens,
                         sim_timing=True)
     sweeps = parse_sweep(args.sweep) or [("none", [0.0])]
+    lines: list[str] = []  # every request of every run, for results.jsonl
     texts: list[str] = []
     points: list[dict[str, Any]] = []
     for axis, values in sweeps:
@@ -304,6 +305,12 @@ async def run_compare(
                                    "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
                                    "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
                                    "bounds": bounds.shares(), **s.to_json()})
+            for i, round_runs in enumerate(rounds):
+                for r in round_runs:
+                    lines.extend(
+                        json.dumps({"axis": axis, "value": value, "target": r.target.name,
+                                    "repeat": i, **res.to_json()}) + "\n"
+                        for res in r.results)
             runs = rounds[-1]
             if axis == "none":
                 by_name = {r.target.name: r.results for r in runs if r.error is None}
@@ -318,8 +325,9 @@ async def run_compare(
                          title=f"cached share vs {axis}")
         plots.sweep_plot(pts, out / f"sweep-{axis}-p99.png", x=axis, y="ttft_p99_ms",
                          title=f"TTFT p99 (ms) vs {axis}")
+    (out / "results.jsonl").write_text("".join(lines))
     (out / "compare.json").write_text(json.dumps({"points": points}, indent=2) + "\n")
-    texts.append(f"written: {out / 'compare.json'}")
+    texts.append(f"written: {out / 'compare.json'}, {out / 'results.jsonl'}")
     return "\n\n".join(texts)
 
 

@@ -51,6 +51,8 @@ def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> 
     assert sorted((p["policy"], p["repeat"]) for p in points) == [
         ("kv", 0), ("kv", 1), ("session", 0), ("session", 1)]
     assert "] " in done.stdout  # medians with their [min-max] spread
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 4 * summary["requests"]
     for p in points:
         assert p["errors"] == 0 and p["requests"] == summary["requests"]
         # Every request starts with the trace's shared first block: some of it is cached,
