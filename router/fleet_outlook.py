@@ -60,7 +60,7 @@ from router.scoring import ReplicaScore
 from router.service_times import ServiceTimes
 from router.think_times import Returning, ThinkTimes
 
-__all__ = ["FleetOutlook", "OutlookSettings"]
+__all__ = ["FleetOutlook", "OutlookSettings", "OutlookTerms"]
 
 _EWMA = 0.05
 """Weight of the newest observation in the reply-size mean."""
@@ -83,6 +83,20 @@ class OutlookSettings:
     (``None``: off)."""
     pool_headroom: bool = True
     """Charge the wait for pool space (term 3)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutlookTerms:
+    """The look ahead's forecasts for one candidate of the latest decision (what
+    ``price`` added to its score, before weighing): for ``/debug/route`` and the
+    ``router_kv_outlook_*`` series."""
+
+    displaced_tokens: float
+    """Term 1: returning conversations' tokens the placement is expected to evict."""
+    retained_tokens: float
+    """Term 2: this conversation's tokens expected to survive to its next turn."""
+    pool_wait_s: float
+    """Term 3: seconds until the pool holds the request beside those in flight."""
 
 
 @dataclass(slots=True)
@@ -116,6 +130,8 @@ class FleetOutlook:
         self._ttft_seen = 0
         self._ttft_at = 0
         self._curves: dict[ReplicaId, tuple[float, tuple[float, ...]]] = {}
+        self.last: dict[ReplicaId, OutlookTerms] = {}
+        """The terms of every candidate of the latest ``price`` call."""
 
     # ------------------------------------------------------------------ learning
     def routed(
@@ -191,6 +207,7 @@ class FleetOutlook:
         """``ranked`` with the look ahead's terms (module docstring), best first (ties
         keep their order).  ``home``: a later turn's previous replica."""
         prompt_tokens, block_size = prompt.num_tokens, prompt.block_size
+        self.last = {}
         if not ranked or block_size <= 0:
             return list(ranked)
         share = self.think_times.return_share(now)
@@ -209,25 +226,29 @@ class FleetOutlook:
         frees = {s.replica: self._horizon.free_blocks(s.replica, now) for s in ranked}
         retain = session is not None and None not in frees.values()
         out = []
+        terms: dict[ReplicaId, OutlookTerms] = {}
         for s in ranked:
             r = s.replica
             rate = self._horizon.allocation_rate(r) or 0.0
             adjust = 0.0
+            lost = kept = wait = 0.0
             if share is not None and w > 0:
                 allocate = max(0.0, (prompt_tokens - s.expected_cached_tokens) / block_size)
                 allocate += reply_blocks
                 lost = self._displaced(r, allocate, rate, session, outlook, now)
                 free = frees[r]
-                kept = 0.0
                 if retain and free is not None:
                     kept = retained_blocks(prompt_tokens / block_size + reply_blocks, free,
                                            rate, fresh)
                 adjust += w * (kept - lost)
             if self.settings.pool_headroom:
-                adjust -= self._rate * self._pool_wait_s(r, need, shared // block_size, now)
+                wait = self._pool_wait_s(r, need, shared // block_size, now)
+                adjust -= self._rate * wait
             if r == home and s.expected_cached_tokens > shared:
                 adjust += self._beta * min(s.queued_prefill_tokens, allowance)
+            terms[r] = OutlookTerms(lost * block_size, kept * block_size, wait)
             out.append(replace(s, score=s.score + adjust) if adjust else s)
+        self.last = terms
         out.sort(key=lambda s: -s.score)
         return out
 

@@ -80,7 +80,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,7 +89,8 @@ from index.store import IndexUnavailable, KVIndex
 from kvkeys.types import PrefixHits, ReplicaId
 from prompt.keyer import Prompt
 from router.affinity import AffinityKey, AffinityRing, affinity_key
-from router.fleet_outlook import FleetOutlook, OutlookSettings
+from router.decision_counts import count_moves, count_outlook, log_decision
+from router.fleet_outlook import FleetOutlook, OutlookSettings, OutlookTerms
 from router.horizon import HorizonEstimator
 from router.kv_choice import Choice, ChoiceRules, Fallback, choose
 from router.load import LoadTracker
@@ -296,9 +297,11 @@ class KvPolicy:
         block_size = prompt.block_size if prompt is not None else 1
         ranked = rank_replicas(inputs, n_tokens, block_size, self.config.weights)
         ranked = self._price(ranked, previous, candidates, block_size)
+        terms: Mapping[ReplicaId, OutlookTerms] = {}
         if self.config.price_future and prompt is not None:
             ranked = self.outlook.price(ranked, prompt, self.tracker.session_of(akey),
                                         previous.replica if previous else None, now)
+            terms = self.outlook.last
         choice = choose(
             ranked, self.ring.preference(akey.key, candidates), self._rules,
             fallback=found.fallback, sighted=sighted,
@@ -306,19 +309,23 @@ class KvPolicy:
             sample=self._rng.random, block_size=block_size,
         )
         t_score = time.perf_counter()
-        decision = self._decision(prompt, akey, found, choice, dry_run=not commit)
+        decision = self._decision(prompt, akey, found, choice, dry_run=not commit,
+                                  terms=terms)
+        if commit and terms and self._metrics is not None:
+            count_outlook(self._metrics, decision.replica, terms)
         if commit:
             # Read before the turn is recorded (the table updates the state in place).
             moves = (previous.replica, previous.left) if previous is not None else None
             self._commit(request, decision, choice, prompt, akey, previous, now)
             if moves is not None:
-                self._count_moves(*moves, choice)
+                if self._metrics is not None:
+                    count_moves(self._metrics, *moves, choice)
         if self._metrics is not None:
             self._stage["render"].observe(t_render - t0)
             self._stage["lookup"].observe(t_lookup - t_render)
             self._stage["score"].observe(t_score - t_lookup)
             self._route_hist.observe(time.perf_counter() - t0)
-        _log_decision(request, decision, choice, n_tokens)
+        log_decision(request, decision, choice, n_tokens)
         return decision
 
     def _price(
@@ -386,8 +393,10 @@ class KvPolicy:
         choice: Choice,
         *,
         dry_run: bool,
+        terms: Mapping[ReplicaId, OutlookTerms],
     ) -> Decision[KvTicket]:
-        """The decision, its ticket for ``record`` and its debug detail."""
+        """The decision, its ticket for ``record`` and its debug detail (a dry run's
+        has every candidate's score and look-ahead forecasts)."""
         chosen = choice.chosen
         predicted = chosen.predicted_cached_tokens if found.hits is not None else None
         # Calibration learns only from what the index itself predicted: a prediction
@@ -416,6 +425,12 @@ class KvPolicy:
             detail["expected_cached_tokens"] = chosen.expected_cached_tokens
             detail["replicas"] = [s.as_dict() for s in choice.ordered]
             detail["fallback"] = choice.fallback
+            if terms:
+                detail["outlook"] = {
+                    r: {"displaced_tokens": round(t.displaced_tokens, 1),
+                        "retained_tokens": round(t.retained_tokens, 1),
+                        "pool_wait_s": round(t.pool_wait_s, 4)}
+                    for r, t in terms.items()}
         n_tokens = prompt.num_tokens if prompt is not None else 0
         return Decision(
             replicas=tuple(s.replica for s in choice.ordered),
@@ -459,24 +474,6 @@ class KvPolicy:
         if fallback is not None and fallback != "no_hit" and m is not None:
             m.fallbacks.labels(fallback).inc()
 
-    def _count_moves(
-        self, last: ReplicaId, left_before: ReplicaId | None, choice: Choice
-    ) -> None:
-        """A later turn whose previous turn ran on ``last``: if it leaves, the expected
-        hit it gives up there; if it goes back to ``left_before`` (the replica the
-        session moved away from earlier), what that replica still held."""
-        m = self._metrics
-        chosen = choice.chosen
-        if chosen.replica == last or m is None:
-            return
-        home = next((s for s in choice.ordered if s.replica == last), None)
-        if home is not None and home.expected_cached_tokens > chosen.expected_cached_tokens:
-            m.moved_given_up_tokens.labels(last).inc(
-                home.expected_cached_tokens - chosen.expected_cached_tokens)
-        if chosen.replica == left_before:
-            m.came_back_turns.labels(chosen.replica).inc()
-            m.came_back_held_tokens.labels(chosen.replica).inc(chosen.predicted_cached_tokens)
-
     def forget(self, replica: ReplicaId) -> None:
         """Drop what the policy learnt of ``replica``: it left the fleet, joined anew or
         restarted (its caches are empty, its counters start again).  Provisional
@@ -493,18 +490,3 @@ class KvPolicy:
         """Scrape-time gauge rows for ``KvMetrics`` (horizon, rate, load terms, trust)."""
         yield from self.view.gauge_rows(self._clock())
 
-
-def _log_decision(
-    request: RouteRequest, decision: Decision[KvTicket], choice: Choice, n_tokens: int
-) -> None:
-    """One DEBUG line per decision with the score breakdown."""
-    if not _log.isEnabledFor(logging.DEBUG):
-        return
-    _log.debug(
-        "route %s kv reason=%s chosen=%s prompt=%d predicted=%s scores=%s",
-        request.request_id, decision.reason, decision.replica, n_tokens,
-        decision.predicted_cached_tokens,
-        [(s.replica, round(s.score, 1), round(s.expected_cached_tokens, 1),
-          s.queued_prefill_tokens, s.decode_load, round(s.p_index, 2),
-          round(s.p_resident_tail, 2)) for s in choice.ordered],
-    )

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from index.event_applier import BatchResult
 from index.ingestion import SourceSpec
 from index.status import SourceStatus
 from index.store import KVIndex
@@ -48,6 +47,7 @@ from router.config import ScoringSettings
 from router.fleet_outlook import OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.index_metrics import IndexMetrics
+from router.kv_ingest_observer import KvIngestObserver, ReplicaResets
 from router.kv_members import MemberIngestion
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_stack import Membership, open_kv_stack
@@ -64,7 +64,6 @@ from router.session_policy import SessionPolicy
 __all__ = [
     "KvServices",
     "RegistryPrompts",
-    "ReplicaResets",
     "copy_fields",
     "kv_config",
     "kv_factory",
@@ -155,22 +154,6 @@ class RegistryPrompts:
         return True
 
 
-class ReplicaResets:
-    """Who must hear that a replica's event source restarted (its engine restarted:
-    empty caches, counters from 0): the ``kv`` policy drops what it learnt of it."""
-
-    def __init__(self) -> None:
-        self._listeners: list[Callable[[ReplicaId], None]] = []
-
-    def listen(self, listener: Callable[[ReplicaId], None]) -> None:
-        """Call ``listener(replica)`` on every restart."""
-        self._listeners.append(listener)
-
-    def restarted(self, replica: ReplicaId) -> None:
-        for listener in self._listeners:
-            listener(replica)
-
-
 @dataclass(slots=True)
 class KvServices:
     """What the ``kv`` service yields: shared by the ``kv`` policy and ``/debug/route``."""
@@ -199,32 +182,6 @@ class KvServices:
             "sources": {rid: st.state for rid, st in sorted(statuses.items())},
             "connected": sum(1 for st in statuses.values() if st.connected),
         }
-
-
-class _HorizonObserver:
-    """Feeds ``BlockStored`` counts into the horizon estimator (``IngestObserver``)."""
-
-    def __init__(
-        self, horizon: HorizonEstimator, ctx: PolicyContext, resets: ReplicaResets
-    ) -> None:
-        self._horizon = horizon
-        self._clock = ctx.clock
-        self._resets = resets
-
-    def batch_applied(self, replica: ReplicaId, result: BatchResult) -> None:
-        if result.blocks_stored:
-            self._horizon.observe_allocated(replica, self._clock(), result.blocks_stored)
-
-    def gap(self, replica: ReplicaId) -> None:
-        """Counted by the source status."""
-
-    def dropped(self, replica: ReplicaId, reason: str, count: int = 1) -> None:
-        """Counted by the source status."""
-
-    def resync(self, replica: ReplicaId, reason: str) -> None:
-        """Counted by the source status; an engine restart resets what was learnt."""
-        if reason == "restart":
-            self._resets.restarted(replica)
 
 
 def _model_specs(s: ScoringSettings) -> list[ModelSpec]:
@@ -310,7 +267,7 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
             ctx.settings, index_metrics, tasks=ctx.tasks, http=ctx.http,
             membership=Membership(lambda: ctx.replicas.ids, partial(_spec, ctx),
                                   ctx.replicas.on_membership),
-            observers=(_HorizonObserver(horizon, ctx, resets), sizes),
+            observers=(KvIngestObserver(horizon, ctx.clock, resets), sizes),
             gauge_replicas=lambda: [ReplicaId(st.id) for st in ctx.replicas.all()],
         ) as stack:  # fmt: skip
             running.ingestion = stack.ingestion

@@ -315,6 +315,27 @@ class KvMetrics:
             "held of the conversation), by that replica.",
             ["replica"], registry=registry,
         )
+        self.outlook_displaced_tokens = FastCounter(
+            "router_kv_outlook_displaced_tokens_total",
+            "The look ahead's forecast, per decision, of returning conversations' tokens "
+            "the placement evicts on the chosen replica (before they come back), by "
+            "replica.",
+            ["replica"], registry,
+        )
+        self.outlook_retained_tokens = FastCounter(
+            "router_kv_outlook_retained_tokens_total",
+            "The look ahead's forecast, per decision, of the conversation's tokens still "
+            "cached on the chosen replica when its next turn comes (compare with "
+            "router_kv_predicted_cached_tokens_total of the later turns that stay), by "
+            "replica.",
+            ["replica"], registry,
+        )
+        self.outlook_pool_wait = FastCounter(
+            "router_kv_outlook_pool_wait_seconds_total",
+            "The look ahead's forecast, per decision, of the wait for pool space on the "
+            "chosen replica (requests in flight must finish first), by replica.",
+            ["replica"], registry,
+        )
         self.fallbacks = Counter(
             "router_kv_fallbacks_total",
             "Times the kv policy could not use the index, by cause (index_down, "
@@ -342,6 +363,7 @@ class KvMetrics:
             self.prediction_error, self.disagreements, self.session_turns, self.think_time,
             self.session_returns, self.prefix_breaks, self.prefix_break_lost_tokens,
             self.moved_given_up_tokens, self.came_back_turns, self.came_back_held_tokens,
+            self.outlook_displaced_tokens, self.outlook_retained_tokens, self.outlook_pool_wait,
             self.fallbacks, self.scrape_failures, self._state,
         ):
             if collector is not None:

@@ -470,3 +470,24 @@ async def test_a_replica_that_left_or_restarted_starts_from_nothing_learnt(
     assert env.policy.calibration.trust(R[1]) == 1.0
     assert h.free_blocks(R[1], env.clock.t) is None
     assert h.free_blocks(R[2], env.clock.t) is not None
+
+
+async def test_the_look_aheads_forecasts_are_explained_and_counted(
+    registry: RendererRegistry,
+) -> None:
+    env = Env(registry)
+    r = req(chat("forecast please", "a", "b"), session="f")
+    await env.hold(R[1], req(chat("forecast please")))
+    dry = await env.policy.decide(r, R, commit=False)
+    outlook = dry.detail["outlook"]
+    assert set(outlook) == set(R)
+    assert set(outlook[R[1]]) == {"displaced_tokens", "retained_tokens", "pool_wait_s"}
+    assert env.value("router_kv_outlook_pool_wait_seconds_total", replica="r1") == 0.0
+    d = await env.policy.route(r, R)
+    terms = env.policy.outlook.last[d.replica]
+    for name, value in (("displaced_tokens", terms.displaced_tokens),
+                        ("retained_tokens", terms.retained_tokens)):
+        assert env.value(f"router_kv_outlook_{name}_total", replica=d.replica) == value
+    # the series exist for the chosen replica (a forecast of nothing is still counted)
+    assert env.prom.get_sample_value("router_kv_outlook_pool_wait_seconds_total",
+                                     {"replica": d.replica}) is not None
