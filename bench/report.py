@@ -162,6 +162,21 @@ def _fmt_pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _render(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A text table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    out = [line(cols), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in rows)
+    return "\n".join(out)
+
+
 def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> str:
     """The comparison table, one row per run, then one per cache bound."""
     cols = ["policy", "prefill computed", "cached", "of LRU", "of OPT", "of inf", "TTFT p50",
@@ -181,17 +196,7 @@ def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> st
             share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
             rows.append([f"bound: {name}", f"{bounds.prompt_tokens - saved:,}",
                          _fmt_pct(share)] + ["-"] * (len(cols) - 3))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
-              for i, c in enumerate(cols)]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
-    out = [line(cols), line(["-" * w for w in widths])]
-    out.extend(line(r) for r in rows)
-    return "\n".join(out)
+    return _render(cols, rows)
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -239,17 +244,7 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
                             ("unbounded", bounds.unbounded_saved)):
             share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
             rows.append([f"bound: {name}", "-", f"{share:.1%}"] + ["-"] * (len(cols) - 3))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
-              for i, c in enumerate(cols)]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
-
-    out = [line(cols), line(["-" * w for w in widths])]
-    out.extend(line(r) for r in rows)
-    return "\n".join(out)
+    return _render(cols, rows)
 
 
 def to_json(
