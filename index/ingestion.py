@@ -154,8 +154,13 @@ class KVEventIngestion:
         return out
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
-        """One source's snapshot, if known."""
-        return self.statuses().get(replica)
+        """One source's snapshot, if known: ``statuses().get(replica)`` without building
+        every source's (the kv policy reads each candidate's on every request)."""
+        local = self._local.get(replica)
+        if local is not None and (replica in self._owned or self._lease is None
+                                  or replica not in self._remote):
+            return local
+        return self._remote.get(replica)
 
     def health(self) -> SupervisorHealth:
         """Sources whose subscriber failed recently (restarted with backoff), and how

@@ -7,24 +7,22 @@ ids into a new list costs a pointer and a reference count per token: at 40 turns
 tokens) that is more than the rest of the warm turn's tokenisation.  So the ids live in
 two parts:
 
-* ``stem``: a list that only ever grows, shared by the turns of one conversation.  A turn
-  uses its first ``length`` ids; a later turn that continues exactly where this one's stem
-  ends appends to the same list, which changes nothing this turn can see.
+* ``stem``: an ``array("I")`` (4 bytes per id) that only ever grows, shared by the turns
+  of one conversation.  A turn uses its first ``length`` ids; a later turn that
+  continues exactly where this one's stem ends appends to the same array, which changes
+  nothing this turn can see.
 * ``tail``: this turn's own ids after that point: those of the text after the last added
   token that every longer text starting with this one cuts at too (``prompt.segments``);
   a later turn takes over what of them its text shares.
 
 A turn that continues from an earlier point of the stem (an edited or regenerated
-conversation) copies the stem up to there first: ``extend`` decides by comparing lengths,
-never by who else holds the list.  Equality, slicing (to lists) and iteration behave as
-a list's.
+conversation, or a sibling: the same history with another last message) copies the stem
+up to there first, a ``memcpy`` of 4 bytes per id: ``extend`` decides by comparing
+lengths, never by who else holds the array.  Equality, slicing (to lists) and iteration
+behave as a list's.
 
 ``to_bytes`` (the ids as 4-byte unsigned ints, the form the router's session tracker
-keeps) converts each id once per stem: the packed stem is remembered next to the list
-(4 bytes per id, made on the first call only) and a later turn's call converts only the
-ids added since.  Because a stem only ever grows, what was packed stays true; a copied
-stem starts from a copy of the packed bytes (a ``memcpy``, where converting 25k ids
-costs tens of microseconds: a regenerated or sibling turn of a long conversation).
+keeps) is the stem's own bytes and the tail's: no id is converted again.
 """
 
 from __future__ import annotations
@@ -34,67 +32,50 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, islice
 from typing import overload
 
-_WIDTH = array("I").itemsize
-
-
-class _PackedStem:
-    """The leading ids of one stem list, packed (``array("I")`` bytes); shared by the
-    turns that share the list."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes = b"") -> None:
-        self.data = data
-
-    def prefix(self, length: int) -> _PackedStem:
-        """What of it a copy of the stem's first ``length`` ids starts with."""
-        return _PackedStem(self.data[: length * _WIDTH])
+_TYPECODE = "I"
+"""4-byte unsigned ids (``array("I")`` is 4 bytes on CPython's platforms)."""
 
 
 class TokenIds(Sequence[int]):
-    """Token ids: the first ``length`` of a growing ``stem`` list, then ``tail``."""
+    """Token ids: the first ``length`` of a growing ``stem`` array, then ``tail``."""
 
-    __slots__ = ("_stem", "_length", "_tail", "_packed")
+    __slots__ = ("_stem", "_length", "_tail")
 
-    def __init__(self, stem: list[int], length: int, tail: list[int]) -> None:
+    def __init__(self, stem: Iterable[int], length: int, tail: list[int]) -> None:
+        if not (isinstance(stem, array) and stem.typecode == _TYPECODE):
+            stem = array(_TYPECODE, stem)
         if not 0 <= length <= len(stem):
             raise ValueError("length must be within the stem")
-        self._stem = stem
+        self._stem: array[int] = stem
         self._length = length
         self._tail = tail
-        self._packed = _PackedStem()
 
     @classmethod
     def of(cls, ids: Iterable[int]) -> TokenIds:
         """Ids that share nothing (a fresh stem)."""
-        stem = list(ids)
+        stem = array(_TYPECODE, ids)
         return cls(stem, len(stem), [])
 
     def extend(self, keep: int, stem_ids: Iterable[int], tail: list[int]) -> TokenIds:
         """This turn's first ``keep`` ids, then ``stem_ids`` (kept for later turns) and
         ``tail`` (this turn's only).
 
-        When the stem list ends exactly where this turn's stem part does, the kept ids
+        When the stem array ends exactly where this turn's stem part does, the kept ids
         and the new ones are appended to it (no turn uses the stem past its own length,
         so none sees them); otherwise the stem is copied up to there first."""
         if not 0 <= keep <= len(self):
             raise ValueError("a later turn keeps at most this turn's ids")
         n = self._length
         stem = self._stem
-        packed = self._packed
         if keep <= n:
             if len(stem) != keep:
                 stem = stem[:keep]
-                packed = packed.prefix(keep)
         else:
             if len(stem) != n:
                 stem = stem[:n]
-                packed = packed.prefix(n)
             stem.extend(self._tail[: keep - n])
         stem.extend(stem_ids)
-        out = TokenIds(stem, len(stem), tail)
-        out._packed = packed
-        return out
+        return TokenIds(stem, len(stem), tail)
 
     @property
     def stem_length(self) -> int:
@@ -108,24 +89,20 @@ class TokenIds(Sequence[int]):
         return chain(islice(self._stem, self._length), self._tail)
 
     def to_array(self, typecode: str = "I") -> array[int]:
-        """The ids as an ``array`` (a C-level copy of the list parts: packing a 25k-token
+        """The ids as an ``array`` (a C-level copy of the parts: packing a 25k-token
         prompt through iteration costs several times more)."""
-        out = array(typecode, self._stem[: self._length] if self._length < len(self._stem)
-                    else self._stem)
+        stem = self._stem[: self._length]
+        out = stem if typecode == _TYPECODE else array(typecode, stem.tolist())
         out.extend(array(typecode, self._tail))
         return out
 
     def to_bytes(self) -> bytes:
-        """The ids as 4-byte unsigned ints (``array("I").tobytes()``), converting only
-        the stem ids no earlier call on this stem converted (module docstring)."""
+        """The ids as 4-byte unsigned ints (``array("I").tobytes()``): the stem's bytes
+        and the tail's (module docstring)."""
         n = self._length
-        packed = self._packed
-        done = packed.data
-        if len(done) < n * _WIDTH:
-            new = array("I", self._stem[len(done) // _WIDTH : n]).tobytes()
-            done = packed.data = done + new
-        stem = done if len(done) == n * _WIDTH else done[: n * _WIDTH]
-        return stem + array("I", self._tail).tobytes() if self._tail else stem
+        stem = self._stem
+        head = stem.tobytes() if n == len(stem) else memoryview(stem)[:n].tobytes()
+        return head + array(_TYPECODE, self._tail).tobytes() if self._tail else head
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -142,10 +119,10 @@ class TokenIds(Sequence[int]):
             if stop <= start:
                 return []
             if stop <= n:
-                return self._stem[start:stop]
+                return self._stem[start:stop].tolist()
             if start >= n:
                 return self._tail[start - n : stop - n]
-            return self._stem[start:n] + self._tail[: stop - n]
+            return self._stem[start:n].tolist() + self._tail[: stop - n]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
@@ -163,7 +140,7 @@ class TokenIds(Sequence[int]):
 
     def tolist(self) -> list[int]:
         """The ids as a new list."""
-        return self._stem[: self._length] + self._tail
+        return self._stem[: self._length].tolist() + self._tail
 
     def __repr__(self) -> str:
         return f"TokenIds({self.tolist()!r})"

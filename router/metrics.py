@@ -276,11 +276,12 @@ class KvMetrics:
             "Later turns of a session, by policy and placement (same_replica or moved).",
             ["policy", "placement"], registry,
         )
-        self.think_time = Histogram(
+        self.think_time = FastHistogram(
             "router_session_think_time_seconds",
             "Time between a turn finishing and the session's next request.",
-            buckets=_THINK_BUCKETS, registry=registry,
+            [], registry, buckets=_THINK_BUCKETS,
         )
+        self.think_time.labels()  # unlabelled: exported (empty) from the start
         self.session_returns = FastCounter(
             "router_session_returns_total",
             "Later turns by whether they came back within their replica's eviction horizon.",
@@ -291,11 +292,12 @@ class KvMetrics:
             "Later turns whose prompt does not extend the previous one, by likely cause.",
             ["cause"], registry,
         )
-        self.prefix_break_lost_tokens = Counter(
+        self.prefix_break_lost_tokens = FastCounter(
             "router_prefix_break_lost_tokens_total",
             "Tokens of previous prompts invalidated by prefix breaks.",
-            registry=registry,
+            [], registry,
         )
+        self.prefix_break_lost_tokens.labels()  # unlabelled: exported (0) from the start
         self.moved_given_up_tokens = Counter(
             "router_kv_moved_given_up_tokens_total",
             "Expected cached tokens a later turn gave up by leaving the replica of its "

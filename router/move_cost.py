@@ -51,7 +51,7 @@ is saturated; the factor is then 19).  Pure: no clock, no state.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvkeys.types import ReplicaId
 from router.scoring import ReplicaScore
@@ -71,6 +71,10 @@ class FleetState:
     """Share of the time the replica computes (``busy_share``); ``None`` unknown."""
     reuse: float | None = None
     """Chance its cached context is reused before eviction; ``None`` unknown."""
+
+
+_UNKNOWN = FleetState()
+"""A replica nothing is known of (a value: shared, never changed)."""
 
 
 def busy_share(
@@ -104,15 +108,15 @@ def price_moves(
     home = next((s for s in ranked if s.replica == origin), None)
     if home is None or home.expected_cached_tokens <= 0:
         return list(ranked), {}
-    o_state = states.get(home.replica, FleetState())
+    o_state = states.get(home.replica, _UNKNOWN)
     out: list[ReplicaScore] = []
     costs: dict[ReplicaId, float] = {}
     for s in ranked:
         delta = home.expected_cached_tokens - s.expected_cached_tokens
-        cost = move_cost(delta, states.get(s.replica, FleetState()), o_state)
+        cost = move_cost(delta, states.get(s.replica, _UNKNOWN), o_state)
         if s is not home and cost > 0:
             costs[s.replica] = cost
-            s = replace(s, score=s.score - alpha * cost)
+            s = s.rescored(s.score - alpha * cost)
         out.append(s)
     out.sort(key=lambda s: -s.score)
     return out, costs
@@ -133,10 +137,10 @@ def price_placement(
     out: list[ReplicaScore] = []
     costs: dict[ReplicaId, float] = {}
     for s in ranked:
-        cost = footprint_tokens * (states.get(s.replica, FleetState()).reuse or 0.0)
+        cost = footprint_tokens * (states.get(s.replica, _UNKNOWN).reuse or 0.0)
         if cost > 0:
             costs[s.replica] = cost
-            s = replace(s, score=s.score - alpha * cost)
+            s = s.rescored(s.score - alpha * cost)
         out.append(s)
     out.sort(key=lambda s: -s.score)
     return out, costs

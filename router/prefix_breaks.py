@@ -114,9 +114,9 @@ def prompt_shape(body: Mapping[str, Any] | None) -> PromptShape:
     messages = body.get("messages")
     if isinstance(messages, list):
         digests = tuple(_digest(m) for m in messages)
-        roles = tuple(
-            str(m.get("role", "")) if isinstance(m, Mapping) else "" for m in messages
-        )
+        # ``type(m) is dict`` first: an ABC check per message cost more than its digest.
+        roles = tuple([str(m.get("role", "")) if type(m) is dict or isinstance(m, Mapping)
+                       else "" for m in messages])
         is_chat = True
     else:
         digests, roles, is_chat = (), (), False

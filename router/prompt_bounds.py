@@ -94,7 +94,10 @@ def prompt_chars(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
     if not isinstance(messages, list):
         return 0
     for message in messages:
-        if not isinstance(message, Mapping) or message.get("role") != "user":
+        # ``type(...) is dict`` first: a request's parsed messages are dicts, and an ABC
+        # check per message costs as much as the rest of the loop.
+        if (type(message) is not dict and not isinstance(message, Mapping)
+                or message.get("role") != "user"):
             continue
         content = message.get("content")
         if isinstance(content, str):

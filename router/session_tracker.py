@@ -145,7 +145,7 @@ class SessionTracker:
                 within, total = self._returns.get(prev.replica, (0, 0))
                 self._returns[prev.replica] = (within + (outcome == "within_horizon"), total + 1)
             if m is not None:
-                m.think_time.observe(think)
+                m.think_time.labels().observe(think)
                 m.session_returns.labels(prev.replica, outcome).inc()
         if m is not None:
             m.session_turns.labels(self._policy_name, "same_replica" if prev.replica == replica
@@ -159,7 +159,7 @@ class SessionTracker:
     def _prefix_break(self, request: RouteRequest, br: PrefixBreak) -> None:
         if self._metrics is not None:
             self._metrics.prefix_breaks.labels(br.cause).inc()
-            self._metrics.prefix_break_lost_tokens.inc(br.lost_tokens)
+            self._metrics.prefix_break_lost_tokens.labels().inc(br.lost_tokens)
         _log.info(
             "prefix break in request %s: cause=%s at token %d of %d (message %s, "
             "role %s); %d cached tokens lost",

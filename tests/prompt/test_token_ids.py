@@ -47,7 +47,7 @@ def test_turns_built_from_any_earlier_turn_keep_their_ids(
 def test_packed_ids_stay_true_whichever_turns_were_packed_before(
     steps: list[tuple[int, int, list[int], list[int], bool]],
 ) -> None:
-    # ``to_bytes`` remembers the packed stem: packing some turns and not others, in any
+    # ``to_bytes`` reads the shared stem: packing some turns and not others, in any
     # order, must never change what any turn packs to.
     turns = [TokenIds.of([])]
     models: list[list[int]] = [[]]

@@ -55,3 +55,26 @@ def test_names_are_registered_and_labels_checked() -> None:
     registry.unregister(counter)
     registry.unregister(histogram)
     assert "y_total" not in generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("render", [generate_latest, generate_openmetrics])
+def test_unlabelled_families_with_their_child_export_what_prometheus_client_does(
+    render: Callable[[CollectorRegistry], bytes],
+) -> None:
+    """An unlabelled ``FastCounter`` / ``FastHistogram`` whose child is made at once (as
+    ``KvMetrics`` does) exports the same as the unlabelled ``prometheus_client`` series,
+    before and after updates."""
+    native, fast = CollectorRegistry(), CollectorRegistry()
+    c1 = Counter("x_lost_tokens_total", "Lost.", registry=native)
+    c2 = FastCounter("x_lost_tokens_total", "Lost.", [], fast)
+    h1 = Histogram("x_think_seconds", "Think.", buckets=BUCKETS, registry=native)
+    h2 = FastHistogram("x_think_seconds", "Think.", [], fast, buckets=BUCKETS)
+    c2.labels()
+    h2.labels()
+    assert _without_created(render(native)) == _without_created(render(fast))
+    for v in OBSERVED:
+        c1.inc(v)
+        c2.labels().inc(v)
+        h1.observe(v)
+        h2.labels().observe(v)
+    assert _without_created(render(native)) == _without_created(render(fast))

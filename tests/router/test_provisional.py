@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvkeys.keys import block_keys
-from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId
+from kvkeys.types import PrefixHits, ReplicaHit, ReplicaId, RequestKey
 from router.provisional import ProvisionalBlocks
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -74,3 +79,88 @@ def test_an_insert_with_an_earlier_clock_never_shortens_an_expiry() -> None:
     assert p.run(A, KEYS, 5.5) == 8
     assert p.run(A, KEYS, 7.0) == 4
     assert p.run(A, KEYS, 10.0) == 0
+
+
+class _PerKey:
+    """The expiry rules key by key (what ``ProvisionalBlocks`` stores per chain run)."""
+
+    def __init__(self, ttl_s: float, max_keys: int) -> None:
+        self.ttl_s, self.max_keys = ttl_s, max_keys
+        self.expiry: dict[ReplicaId, dict[RequestKey, float]] = {}
+        self.inserts: list[tuple[float, ReplicaId, tuple[RequestKey, ...]]] = []
+
+    def size(self) -> int:
+        return sum(len(t) for t in self.expiry.values())
+
+    def add(self, replica: ReplicaId, keys: list[RequestKey], now: float) -> None:
+        while self.inserts and self.inserts[0][0] <= now:
+            self._drop(*self.inserts.pop(0))
+        if not keys or self.ttl_s <= 0:
+            return
+        until = now + self.ttl_s
+        table = self.expiry.setdefault(replica, {})
+        for k in keys:
+            table[k] = max(table.get(k, -1.0), until)
+        self.inserts.append((until, replica, tuple(keys)))
+        while self.size() > self.max_keys and self.inserts:
+            self._drop(*self.inserts.pop(0))
+
+    def _drop(self, until: float, replica: ReplicaId, keys: tuple[RequestKey, ...]) -> None:
+        table = self.expiry.get(replica, {})
+        for k in keys:
+            if k in table and table[k] <= until:
+                del table[k]
+        if not table:
+            self.expiry.pop(replica, None)
+
+
+_CHAIN = [*KEYS, *OTHER[:2], *KEYS[:3]]  # a chain, then keys it already holds
+
+
+@given(st.lists(st.tuples(st.sampled_from([A, B]), st.integers(0, len(_CHAIN)),
+                          st.integers(0, len(_CHAIN)), st.integers(-3, 6)), max_size=40),
+       st.sampled_from([0.0, 1.5, 4.0, math.inf]), st.integers(1, 30))
+def test_runs_store_the_expiries_of_the_per_key_rules(
+    ops: list[tuple[ReplicaId, int, int, int]], ttl_s: float, max_keys: int
+) -> None:
+    """Chains and their prefixes, siblings, slices that are not chains, repeated keys,
+    a clock stepping back, an endless ttl, the memory bound: every key's expiry, the
+    size and every run are those of the rules applied key by key."""
+    fast, slow = ProvisionalBlocks(ttl_s=ttl_s, max_keys=max_keys), _PerKey(ttl_s, max_keys)
+    now = 0.0
+    siblings = {0: _CHAIN, 1: [*KEYS[:6], *OTHER[:4]]}
+    for replica, start, stop, step in ops:
+        now = max(0.0, now + step)  # a clock may step back, never below 0
+        keys = siblings[start % 2][:stop] if start < 4 else _CHAIN[start:stop]
+        fast.add(replica, keys, now)
+        slow.add(replica, keys, now)
+        assert len(fast) == slow.size()
+        for r in (A, B):
+            table = slow.expiry.get(r, {})
+            for k in {*_CHAIN, *OTHER}:
+                assert fast.run(r, [k], now) == (k in table and table[k] > now)
+            for probe in (*siblings.values(), KEYS[:5], OTHER):
+                assert fast.run(r, probe, now) == _bisected(table, probe, now)
+
+
+def _bisected(table: dict[RequestKey, float], keys: list[RequestKey], now: float) -> int:
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if table.get(keys[mid - 1], -1.0) > now:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def test_a_later_turn_writes_only_its_new_keys() -> None:
+    """The history a turn shares with its sibling is extended run by run: the keys of
+    one insert share one run object."""
+    p = ProvisionalBlocks(ttl_s=10.0)
+    p.add(A, KEYS, now=0.0)
+    sibling = [*KEYS[:7], *OTHER[:3]]
+    p.add(A, sibling, now=1.0)
+    assert len(p) == 13
+    assert p.run(A, KEYS, 10.5) == 7 and p.run(A, sibling, 10.5) == 10
+    assert p.run(A, KEYS, 11.0) == 0

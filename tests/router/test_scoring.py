@@ -15,6 +15,7 @@ from router.scoring import (
     Freshness,
     LoadTerms,
     ReplicaInput,
+    ReplicaScore,
     ScoringWeights,
     combine_load,
     foreign_load,
@@ -484,3 +485,16 @@ def test_scoring_never_raises_or_returns_nan_on_finite_inputs(
         assert 0 <= s.predicted_cached_tokens <= s.usable_blocks * BS
         assert 0 <= s.p_resident_tail <= s.p_resident_hot <= 1
     assert len(pick(ranked, preference={}, temperature=temperature, u=u)) == len(xs)
+
+
+def test_rescored_is_replace_with_another_score() -> None:
+    """``ReplicaScore.rescored`` (pricing's fast copy) equals ``dataclasses.replace``,
+    whatever the fields hold."""
+    import dataclasses
+
+    values: dict[str, object] = {f.name: i + 0.5 for i, f in
+                                 enumerate(dataclasses.fields(ReplicaScore))}
+    values.update(replica=ReplicaId("r7"), load_known=False)
+    s = ReplicaScore(**values)  # type: ignore[arg-type]
+    assert s.rescored(-3.25) == replace(s, score=-3.25)
+    assert s.rescored(-3.25).as_dict() == {**s.as_dict(), "score": -3.25}
