@@ -4,6 +4,12 @@ Replays one workload through each policy on fleets of each pool size and prints 
 Markdown table per pool size (cached share, share of each cache bound, simulated TTFT
 p50/p99, moved later turns, exact predictions), plus a JSON file with ``--out``.
 
+With ``--namings K`` every policy runs under K namings of the replicas (the same
+fleet, other names, so consistent-hash rings assign sessions differently) and the table
+gives each policy's median and range, and how often it cached more than the first
+policy under the same naming: session affinity's figure moves a point or two with the
+assignment alone, so one naming cannot tell a better policy from a luckier ring.
+
 Workloads: the 64-conversation chat workload of ``kvroute bench compare`` (``--sessions``,
 ``--seed``; rendered with the tiny tokenizer's chat template), a chat trace
 (``--trace``), or a block-hash trace (``--hash-trace``: aiperf / Mooncake JSONL, scaled
@@ -55,9 +61,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="timing profile of the simulated engine")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
                    help="comma-separated policies to replay")
+    p.add_argument("--namings", type=int, default=1,
+                   help="replay each policy under this many namings of the replicas "
+                        "(hash assignments) and report medians and ranges")
     p.add_argument("--breakdown", metavar="BASELINE", default=None,
                    help="also compare every other policy with BASELINE turn by turn "
-                        "(stay/move and reason; kvroute.replay.breakdown)")
+                        "(stay/move and reason, under the first naming; "
+                        "kvroute.replay.breakdown)")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure")
     p.set_defaults(func=_main)
 
@@ -90,29 +100,45 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     from kvroute.replay.breakdown import breakdown, format_breakdown
-    from kvroute.replay.loop import ReplayConfig, replay
-    from kvroute.replay.summary import bounds_of, figures, format_table
+    from kvroute.replay.loop import ReplayConfig, Served, replay
+    from kvroute.replay.summary import (
+        RunFigures,
+        bounds_of,
+        figures,
+        format_namings,
+        format_table,
+    )
 
     base = ReplayConfig(replicas=args.replicas, block_size=args.block_size,
                         profile=args.profile)
     requests = _requests(args, base.model)
+    policies = [p for p in args.policies.split(",") if p]
     tables: list[str] = []
     points: list[dict[str, Any]] = []
     for nb in (int(v) for v in args.num_blocks.split(",") if v.strip()):
-        cfg = ReplayConfig(replicas=base.replicas, num_blocks=nb, block_size=base.block_size,
-                           profile=base.profile)
-        runs = []
+        by_naming: dict[str, list[RunFigures]] = {p: [] for p in policies}
         bounds = None
-        by_policy = {}
-        for policy in (p for p in args.policies.split(",") if p):
-            served = by_policy[policy] = await replay(policy, requests, cfg)
-            # Each run against the bounds of the order its own requests arrived in (later
-            # turns wait for earlier replies, so the order depends on the policy).
-            own = bounds_of(served, requests, cfg)
-            runs.append(figures(policy, served, own))
-            points.append({"num_blocks": nb, **runs[-1].to_json(), "bounds": own.shares()})
-            bounds = bounds or own
-        tables.append(format_table(str(nb), runs, bounds))
+        by_policy: dict[str, list[Served]] = {}
+        for naming in range(max(1, args.namings)):
+            cfg = ReplayConfig(replicas=base.replicas, num_blocks=nb,
+                               block_size=base.block_size, profile=base.profile,
+                               naming=naming)
+            for policy in policies:
+                served = await replay(policy, requests, cfg)
+                if naming == 0:
+                    by_policy[policy] = served
+                # Each run against the bounds of the order its own requests arrived in
+                # (later turns wait for earlier replies, so the order depends on the
+                # policy).
+                own = bounds_of(served, requests, cfg)
+                by_naming[policy].append(figures(policy, served, own))
+                points.append({"num_blocks": nb, "naming": naming,
+                               **by_naming[policy][-1].to_json(), "bounds": own.shares()})
+                bounds = bounds or own
+        if args.namings > 1:
+            tables.append(format_namings(str(nb), by_naming, bounds))
+        else:
+            tables.append(format_table(str(nb), [r[0] for r in by_naming.values()], bounds))
         baseline = by_policy.get(args.breakdown) if args.breakdown else None
         for policy, served in by_policy.items():
             if baseline is None or policy == args.breakdown:

@@ -72,6 +72,16 @@ class ReplayConfig:
     configures them for the GPUs they run."""
     vocab_size: int = 2000
     seed: int = 0
+    naming: int = 0
+    """Which names the replicas get: 0 names them ``r0`` to ``rN-1``, another value
+    another set of names.  Consistent-hash rings (the session policy's pins, the kv
+    policy's tie order) place sessions by name, so a policy's figures over several
+    namings tell its own effect from one hash assignment's luck (``replica_ids``)."""
+
+    def replica_ids(self) -> list[ReplicaId]:
+        """The replicas' ids under ``naming``."""
+        suffix = "" if self.naming == 0 else f".{self.naming}"
+        return [ReplicaId(f"r{i}{suffix}") for i in range(self.replicas)]
 
     def settings(self) -> ScoringSettings:
         """``scoring`` with the profile's hardware figures."""
@@ -166,10 +176,9 @@ class _Replay:
         vocab = list(range(1, cfg.vocab_size + 1))
         profile = get_profile(cfg.profile)
         self.reps = {
-            ReplicaId(f"r{i}"): VirtualReplica(ReplicaId(f"r{i}"), model=cfg.model, profile=profile,
-                                    num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                    vocab=vocab, index=index, seed=i)
-            for i in range(cfg.replicas)
+            r: VirtualReplica(r, model=cfg.model, profile=profile, num_blocks=cfg.num_blocks,
+                              block_size=cfg.block_size, vocab=vocab, index=index, seed=i)
+            for i, r in enumerate(cfg.replica_ids())
         }
         self.candidates = list(self.reps)
         self.load = LoadTracker(self.candidates)

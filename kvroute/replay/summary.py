@@ -4,7 +4,8 @@ the share of each cache bound (``bench.bounds``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from bench.bounds import Bounds, CacheRequest, cache_bounds
 from kvroute.replay.loop import ReplayConfig, Served
 from kvroute.replay.requests import ReplayRequest
 
-__all__ = ["RunFigures", "bounds_of", "figures", "format_table"]
+__all__ = ["RunFigures", "bounds_of", "figures", "format_namings", "format_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +107,51 @@ def format_table(label: str, runs: Sequence[RunFigures], bounds: Bounds | None) 
         for name, share in bounds.shares().items():
             rows.append([label, f"bound: {name}", _p(share)] + ["-"] * (len(head) - 3))
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _spread(values: Sequence[float], fmt: str = "pct") -> str:
+    show = _p if fmt == "pct" else _ms
+    if not values:
+        return "-"
+    return f"{show(statistics.median(values))} [{show(min(values))}-{show(max(values))}]"
+
+
+def format_namings(
+    label: str, runs: Mapping[str, Sequence[RunFigures]], bounds: Bounds | None
+) -> str:
+    """A Markdown table over several namings of the replicas (``ReplayConfig.naming``),
+    one row per policy: the median and range of its cached share and TTFT p99, and,
+    naming by naming, how often and by how much it cached more than the first policy
+    (the same hash assignment on both sides); then the bounds of the first run's
+    arrival order."""
+    head = ["pool", "policy", "namings", "cached", "of LRU", "TTFT p99", "moved", "exact",
+            "ahead of first", "difference"]
+    rows = [head, ["---"] * len(head)]
+    first = next(iter(runs.values()), [])
+    for policy, figs in runs.items():
+        diffs = [f.cached_share - b.cached_share for f, b in zip(figs, first, strict=True)]
+        ahead = sum(1 for d in diffs if d > 0)
+        p99s = [f.ttft_p99_s for f in figs if f.ttft_p99_s is not None]
+        rows.append([
+            label, policy, str(len(figs)), _spread([f.cached_share for f in figs]),
+            _p(_median([f.of_pooled_lru for f in figs])), _spread(p99s, "ms"),
+            _p(_median([f.moved_share for f in figs])), _p(_median([f.exact_share for f in figs])),
+            "-" if figs is first else f"{ahead}/{len(diffs)}",
+            "-" if figs is first else _signed_points(diffs),
+        ])
+    if bounds is not None:
+        for name, share in bounds.shares().items():
+            rows.append([label, f"bound: {name}", "-", _p(share)] + ["-"] * (len(head) - 4))
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _signed_points(diffs: Sequence[float]) -> str:
+    def pts(x: float) -> str:
+        return f"{100 * x:+.2f}"
+
+    return f"{pts(statistics.median(diffs))} [{pts(min(diffs))} to {pts(max(diffs))}] points"

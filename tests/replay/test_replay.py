@@ -10,7 +10,7 @@ import pytest
 
 from bench.hashtrace import HashScale, import_records, load_hash_trace
 from kvroute.cli import main
-from kvroute.replay.loop import ReplayConfig, replay
+from kvroute.replay.loop import ReplayConfig, Served, replay
 from kvroute.replay.requests import ReplayRequest, from_hash_trace
 from kvroute.replay.summary import bounds_of, figures
 
@@ -113,3 +113,43 @@ def test_kvroute_replay_prints_the_breakdown(
     assert "kv against session, turn by turn:" in capsys.readouterr().out
     points = json.loads(out.read_text())["points"]
     assert [p.get("against") for p in points] == [None, None, "session"]
+
+
+async def test_another_naming_reassigns_sessions_and_keeps_the_workload() -> None:
+    reqs = _requests()
+    cfg = ReplayConfig(num_blocks=1024)
+    assert cfg.replica_ids() == ["r0", "r1", "r2", "r3"]
+    renamed = ReplayConfig(num_blocks=1024, naming=3)
+    assert renamed.replica_ids() == ["r0.3", "r1.3", "r2.3", "r3.3"]
+    a, b = await replay("session", reqs, cfg), await replay("session", reqs, renamed)
+    index: dict[str, int] = {r: i for i, r in enumerate(cfg.replica_ids())}
+    index.update({r: i for i, r in enumerate(renamed.replica_ids())})
+
+    def placed(served: list[Served]) -> dict[str, int]:
+        return {s.session: index[s.replica] for s in served if s.turn == 1 and s.replica}
+
+    # The same sessions and prompts, another hash assignment of sessions to replicas.
+    assert {(s.session, s.turn, s.prompt_tokens) for s in a} == {
+        (s.session, s.turn, s.prompt_tokens) for s in b}
+    assert placed(a) != placed(b)
+
+
+def test_kvroute_replay_over_namings_reports_medians_and_paired_wins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "replay.json"
+    assert main(["replay", "--hash-trace", str(SLICE), "--duration-s", "20",
+                 "--max-tokens", "8", "--num-blocks", "512", "--policies", "session,kv",
+                 "--namings", "3", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| ahead of first | difference |" in text
+    points = json.loads(out.read_text())["points"]
+    assert [(p["naming"], p["policy"]) for p in points] == [
+        (n, policy) for n in range(3) for policy in ("session", "kv")]
+    session = sorted(p["cached_share"] for p in points if p["policy"] == "session")
+    kv = [p["cached_share"] for p in points if p["policy"] == "kv"]
+    ahead = sum(1 for n in range(3) if kv[n] > [
+        p["cached_share"] for p in points if p["policy"] == "session"][n])
+    row = next(line for line in text.splitlines() if line.startswith("| 512 | kv |"))
+    assert f"| {ahead}/3 |" in row
+    assert f"{100 * session[1]:.1f}% [{100 * session[0]:.1f}%-{100 * session[2]:.1f}%]" in text
