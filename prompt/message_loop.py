@@ -63,6 +63,7 @@ from prompt.template_env import (
     iterates_over,
     make_environment,
     message_list_names,
+    render_template,
 )
 
 _CALL = "kvroute_loop__"
@@ -160,7 +161,7 @@ class _Loop:
         body = self.body
         context[_ITEMS] = items
         context[_CUT] = _SEPARATOR
-        out = body.render(context)
+        out = render_template(body, context)
         parts = out.split(_SEPARATOR)
         if len(parts) == len(items) + 1 and not parts[0]:
             return parts[1:]
@@ -169,7 +170,7 @@ class _Loop:
         for item in items:
             context[_ITEMS] = [item]
             context[_CUT] = ""
-            outputs.append(body.render(context))
+            outputs.append(render_template(body, context))
         return outputs
 
 
@@ -205,7 +206,7 @@ class MessageLoops:
         if self._main is None:
             raise LoopFallback(self.reason or "no message loop")
         run = _Run(self, base)
-        text = self._main.render({**context, _CALL: run.call})
+        text = render_template(self._main, {**context, _CALL: run.call})
         return text, run.records
 
     # -- analysis -----------------------------------------------------------------------

@@ -31,7 +31,7 @@ tokens.
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import ChainMap, deque
 from collections.abc import Iterator
 from datetime import datetime
 from functools import lru_cache
@@ -41,6 +41,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
+from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ContentFormat = Literal["string", "openai"]
@@ -96,6 +97,32 @@ def make_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def render_template(template: jinja2.Template, context: dict[str, Any]) -> str:
+    """``template.render(context)``, without its per-call copies of the globals.
+
+    ``Template.render`` copies ``context``, then flattens the template's globals (a
+    ``ChainMap`` iterated in Python, twice: for the context's parent and for its
+    ``globals_keys``) on every call; a chat turn renders two templates (the message
+    loop's and its body's).  This builds the same context from one flat dict of the
+    globals, merged in C, and runs the template as ``render`` does (same output, same
+    errors).  ``context`` itself is not kept or changed."""
+    env = template.environment
+    if env.is_async:  # never for ``make_environment``'s: render as Jinja does
+        return template.render(context)
+    scopes = template.globals
+    if isinstance(scopes, ChainMap):  # as Jinja 3 builds them
+        flat: dict[str, Any] = {}
+        for scope in reversed(scopes.maps):  # ChainMap order: the first map wins
+            flat.update(scope)
+    else:
+        flat = dict(scopes)
+    ctx = new_context(env, template.name, template.blocks, {**flat, **context}, True, flat)
+    try:
+        return env.concat(template.root_render_func(ctx))  # type: ignore[attr-defined]
+    except Exception:
+        env.handle_exception()
 
 
 @lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
@@ -274,5 +301,6 @@ __all__ = [
     "iterates_over",
     "make_environment",
     "message_list_names",
+    "render_template",
     "template_variables",
 ]

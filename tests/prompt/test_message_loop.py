@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prompt.message_loop import LoopFallback, LoopRecord, MessageLoops, message_loops
-from prompt.template_env import compile_template
+from prompt.template_env import compile_template, render_template
 from replica.vllm.tiny_tokenizer import CHATML_TEMPLATE, LLAMA3_TEMPLATE
 
 ACCEPTED = {
@@ -205,3 +206,30 @@ def test_a_free_variable_that_comes_and_goes_is_never_reused_across() -> None:
         context = _context(conv) if sep is None else _context(conv, sep=sep)
         text, base = message_loops(source).render(context, base)
         assert text == compile_template(source).render(**context)
+
+
+@pytest.mark.parametrize("name", sorted({**ACCEPTED, **REFUSED}.keys() - {"random"}))
+def test_render_template_is_template_render(name: str) -> None:
+    """``render_template`` (which the loop memo renders with) gives what ``render``
+    gives: same text, the context's variables over the globals, the same errors."""
+    template = compile_template({**ACCEPTED, **REFUSED}[name])
+    for conversation in ([{"role": "user", "content": "q"}],
+                         [{"role": "assistant", "content": "a"},
+                          {"role": "user", "content": "q"}]):
+        context = _context(conversation, sep="|")
+        before = dict(context)
+        try:
+            expected: object = template.render(context)
+        except Exception as exc:  # noqa: BLE001
+            expected = (type(exc), str(exc))
+        try:
+            got: object = render_template(template, context)
+        except Exception as exc:  # noqa: BLE001
+            got = (type(exc), str(exc))
+        assert got == expected
+        assert context == before
+    shadowing = compile_template("{{ raise_exception }}|{{ range(2) | list }}")
+    assert render_template(shadowing, {"raise_exception": "mine"}) == "mine|[0, 1]"
+    failing = compile_template("{{ raise_exception('no: ' ~ x) }}")
+    with pytest.raises(jinja2.TemplateError, match="no: 1"):
+        render_template(failing, {"x": 1})
