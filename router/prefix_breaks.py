@@ -19,7 +19,7 @@ where two prompts of one session diverge and names the likely cause:
 The detector keeps, per session, only compact digests plus the token ids of the last
 prompt (4 bytes per token, bounded by the session table that owns them).  Comparing is
 a C-level ``bytes.startswith`` on the hot path; the divergence position is only searched
-(by bisection over slices) when a break is found.  Pure: no clock, no logging.
+(by bisection over views) when a break is found.  Pure: no clock, no logging.
 """
 
 from __future__ import annotations
@@ -78,10 +78,12 @@ def divergence(previous: bytes, new: bytes) -> int | None:
         return None
     lo, hi = 0, min(len(previous), len(new)) // 4
     # Invariant: the first ``lo`` tokens agree; some token before ``hi`` differs or
-    # ``new`` ends at ``hi``.  So only tokens ``lo`` to ``mid`` need comparing.
+    # ``new`` ends at ``hi``.  So only tokens ``lo`` to ``mid`` need comparing, in place:
+    # ``startswith`` at an offset, with a view of ``previous`` (slices would copy them).
+    view = memoryview(previous)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if previous[4 * lo : 4 * mid] == new[4 * lo : 4 * mid]:
+        if new.startswith(view[4 * lo : 4 * mid], 4 * lo):
             lo = mid
         else:
             hi = mid - 1

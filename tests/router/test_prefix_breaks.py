@@ -14,11 +14,27 @@ from router.prefix_breaks import detect_break, divergence, pack_tokens, prompt_s
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=60),
        st.lists(st.integers(0, 2**32 - 1), max_size=60))
 def test_divergence_matches_a_naive_scan(a: list[int], b: list[int]) -> None:
+    _check_divergence(a, b)
+
+
+def _check_divergence(a: list[int], b: list[int]) -> None:
     expected = None
     if b[: len(a)] != a:
         expected = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                         min(len(a), len(b)))
     assert divergence(pack_tokens(a), pack_tokens(b)) == expected
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300),
+       st.lists(st.integers(0, 3), max_size=8), st.lists(st.integers(0, 3), max_size=8))
+def test_divergence_of_prompts_sharing_a_prefix(
+    shared: list[int], a: list[int], b: list[int]
+) -> None:
+    """The bisection (in place, over views) finds where two long prompts part, as a scan
+    does; ids that differ in one byte only included."""
+    _check_divergence(shared + a, shared + b)
+    near = [*shared, 1 << 24] if shared else [1 << 24]
+    _check_divergence(near + a, [*near[:-1], 1] + b)
 
 
 def body(*contents: str, system: str = "sys", **extra: Any) -> dict[str, Any]:
