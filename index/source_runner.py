@@ -4,7 +4,11 @@
 the interface notes):
 
 * On start (and on lease takeover) the replica's entries are cleared and the replay
-  socket asked for everything from 0.
+  socket asked for everything from 0.  A replay is applied from its last batch holding
+  an ``AllBlocksCleared`` (what came before it is superseded: the clear empties the
+  replica in every tier), and it gives the event loop back every ``replay_slice_s``:
+  an engine's buffer holds up to 10,000 batches, and applying them in one go held every
+  request of the router up for as long (seconds, after a few prefix-cache resets).
 * A live ``seq`` more than one past the last applied is a **gap**: replay from
   ``last + 1`` over a DEALER (``[b"", seq8]``; replies ``[b"", topic, seq8, payload]``
   (0.28+) or ``[b"", seq8, payload]``, ending with an empty last frame).  If the first
@@ -48,16 +52,17 @@ which moves the bytes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import zmq.asyncio
 
 from index.event_applier import DEFAULT_PARENT_CACHE, BatchResult, EventIngestor
-from index.events import UndecodableBatch, decode_batch
+from index.events import ClearedEvent, UndecodableBatch, decode_batch
 from index.log_limit import RateLimitedLog
 from index.replay import ReplayFailed, fetch_replay
 from index.status import SourceState, SourceStatus
@@ -94,6 +99,9 @@ class SubscriberSettings:
     """Longest wait for each replay message, the first one included."""
     replay_total_s: float = 30.0
     """Longest whole replay."""
+    replay_slice_s: float = 0.005
+    """Longest the event loop is held while applying a replay before it is given back
+    (0: after every batch)."""
     resync_min_interval_s: float = 10.0
     """Rebuilds requested by unknown parents happen at most this often."""
     recover_interval_s: float = 1.0
@@ -324,6 +332,25 @@ class SourceRunner:
             if self._clock() - self._last_resync >= self._s.resync_min_interval_s:
                 self._resync_reason = "unknown_parent"
 
+    async def _apply_replayed(self, msgs: Sequence[tuple[int, bytes]]) -> None:
+        """Apply the replayed batches not applied yet, in order, from the last one
+        holding an ``AllBlocksCleared`` (module docstring), giving the event loop back
+        every ``replay_slice_s``."""
+        todo = [(seq, payload) for seq, payload in msgs
+                if self.last_seq is None or seq > self.last_seq]
+        first = _last_clearing(todo)
+        if first:
+            self.last_seq = todo[first - 1][0]
+            log.info("%s: replay: %d batches before the last clear skipped",
+                     self.source.replica, first)  # fmt: skip
+        slice_s = self._s.replay_slice_s
+        until = time.perf_counter() + slice_s
+        for seq, payload in todo[first:]:
+            await self._apply(seq, payload)
+            if time.perf_counter() >= until:
+                await asyncio.sleep(0)
+                until = time.perf_counter() + slice_s
+
     def _hole(self, seq: int, reason: str) -> None:
         """Batch ``seq`` may have held removals that were not applied: rebuild past it."""
         self._resync_from = max(self._resync_from, seq + 1)
@@ -353,9 +380,7 @@ class SourceRunner:
             log.info("%s: replay lost history from %d", self.source.replica, start)
             if not await self._clear("history_lost"):
                 return
-        for seq, payload in msgs:
-            if self.last_seq is None or seq > self.last_seq:
-                await self._apply(seq, payload)
+        await self._apply_replayed(msgs)
         if self.last_seq is None or self.last_seq < until:
             self.last_seq = until
 
@@ -413,9 +438,7 @@ class SourceRunner:
                 msgs = []
             else:
                 self._set(replays=self._status.replays + 1)
-            for seq, payload in msgs:
-                if self.last_seq is None or seq > self.last_seq:
-                    await self._apply(seq, payload)
+            await self._apply_replayed(msgs)
         if not self._dirty:
             self._set(state="live", last_error=None)
 
@@ -433,3 +456,22 @@ class SourceRunner:
             ):
                 return
             await self._rebuild(self._resync_reason)
+
+
+_CLEARED_TAG = b"AllBlocksCleared"
+
+
+def _last_clearing(batches: Sequence[tuple[int, bytes]]) -> int:
+    """The position of the last batch holding an ``AllBlocksCleared``, else 0.  The tag's
+    bytes pick the candidates; decoding confirms them (an id or hash could hold them)."""
+    for i in range(len(batches) - 1, 0, -1):
+        payload = batches[i][1]
+        if _CLEARED_TAG not in payload:
+            continue
+        try:
+            batch = decode_batch(payload)
+        except UndecodableBatch:
+            continue
+        if any(isinstance(ev, ClearedEvent) for ev in batch.events):
+            return i
+    return 0

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 END_SEQ: Final = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of the replay end marker (8 bytes of 0xff)."""
+_REPLAY_SLICE_S: Final = 0.005
+"""Longest the event loop is held while serving a replay before it is given back."""
 
 
 class KVEventPublisher:
@@ -199,9 +201,15 @@ class KVEventPublisher:
                 log.warning("invalid replay request (%d frames)", len(frames))
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
+            until = time.perf_counter() + _REPLAY_SLICE_S
             for seq, payload in list(self._buffer):
                 if seq < start:
                     continue
+                if time.perf_counter() >= until:
+                    # vLLM serves replay from a thread of its own: a long one must not
+                    # hold the simulated engine's steps up either.
+                    await asyncio.sleep(0)
+                    until = time.perf_counter() + _REPLAY_SLICE_S
                 msg: tuple[bytes, ...]
                 if self._legacy_replay:
                     msg = (client, b"", seq.to_bytes(8, "big"), payload)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -190,6 +192,53 @@ async def test_history_published_before_subscribing_is_replayed_from_zero() -> N
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    ctx.destroy(linger=0)
+
+
+async def test_a_replay_is_applied_from_its_last_clear_and_gives_the_loop_back() -> None:
+    # An engine's buffer after a prefix-cache reset: 100 batches the clear supersedes,
+    # the clear (with a store after it in the same batch), then 98 more.
+    ctx = zmq.asyncio.Context()
+    async with KVEventPublisher(
+        "tcp://127.0.0.1:0", bind=True, replay_endpoint="tcp://127.0.0.1:0",
+        buffer_steps=500, context=ctx,
+    ) as pub:
+        for seed in range(1, 101):
+            await pub.publish([store(seed)])
+        await pub.publish([store(500), AllBlocksCleared(), store(101)])
+        for seed in range(102, 200):
+            last = await pub.publish([store(seed)])
+        ticks = 0
+        seen: list[int] = []
+
+        class Ticks(Recorder):
+            def batch_applied(self, replica: ReplicaId, result: BatchResult) -> None:
+                super().batch_applied(replica, result)
+                seen.append(ticks)
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        index, obs = InMemoryIndex(), Ticks()
+        src = EventSource(R, MODEL, pub.endpoint, pub.resolved_replay_endpoint)
+        settings = dataclasses.replace(FAST, replay_slice_s=0.0)
+        sub = ConnectSubscriber(src, index, ctx, settings=settings, observer=obs)
+        ticker = asyncio.create_task(tick())
+        task = asyncio.create_task(sub.run())
+        await eventually(lambda: sub.status.last_seq == last)
+        assert [await held(index, s) for s in (1, 100, 500)] == [0, 0, 0]
+        assert [await held(index, s) for s in (101, 150, 199)] == [3, 3, 3]
+        # Only the clear's batch and those after it were applied, the loop ran between
+        # every two of them.
+        assert len(obs.applied) == 99 and obs.applied[0].cleared
+        assert all(b > a for a, b in itertools.pairwise(seen))
+        for t in (task, ticker):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
     ctx.destroy(linger=0)
 
 
