@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvkeys.types import ReplicaId
 from prompt.keyer import Prompt
@@ -247,7 +247,7 @@ class FleetOutlook:
             if r == home and s.expected_cached_tokens > shared:
                 adjust += self._beta * min(s.queued_prefill_tokens, allowance)
             terms[r] = OutlookTerms(lost * block_size, kept * block_size, wait)
-            out.append(replace(s, score=s.score + adjust) if adjust else s)
+            out.append(s.rescored(s.score + adjust) if adjust else s)
         self.last = terms
         out.sort(key=lambda s: -s.score)
         return out
