@@ -148,19 +148,21 @@ class KVEventIngestion:
     def statuses(self) -> dict[ReplicaId, SourceStatus]:
         """Snapshots of every source: ingested here, or published by its lease holder."""
         out = dict(self._remote)
-        for rid, st in self._local.items():
-            if rid in self._owned or self._lease is None or rid not in out:
-                out[rid] = st
+        out.update((rid, st) for rid, st in self._local.items() if self._local_wins(rid))
         return out
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """One source's snapshot, if known: ``statuses().get(replica)`` without building
         every source's (the kv policy reads each candidate's on every request)."""
         local = self._local.get(replica)
-        if local is not None and (replica in self._owned or self._lease is None
-                                  or replica not in self._remote):
+        if local is not None and self._local_wins(replica):
             return local
         return self._remote.get(replica)
+
+    def _local_wins(self, replica: ReplicaId) -> bool:
+        """This process's snapshot of a source it holds is the one to show: it owns the
+        source, there is no lease, or the lease holder published none."""
+        return replica in self._owned or self._lease is None or replica not in self._remote
 
     def health(self) -> SupervisorHealth:
         """Sources whose subscriber failed recently (restarted with backoff), and how
