@@ -152,8 +152,11 @@ class Fleet:
         spec = self.spec
         sims = []
         for i in range(spec.replicas):
+            # Port 0: the replica binds a port itself and prints its URL.  A port probed
+            # here and bound later could be taken meanwhile by another replica's event
+            # sockets, which bind ephemeral ports too.
             argv = kvroute_command(
-                "sim", "--host", "127.0.0.1", "--port", str(free_port()),
+                "sim", "--host", "127.0.0.1", "--port", "0",
                 "--model", spec.model, "--tokenizer", str(spec.tokenizer),
                 "--block-size", str(spec.block_size), "--time-scale", str(spec.time_scale),
                 "--profile", spec.profile, "--seed", str(i), "--log-level", "WARNING",
