@@ -72,6 +72,7 @@ class ReplicaProtocol(asyncio.Protocol):
         import httptools
 
         self._parser = httptools.HttpRequestParser(self)
+        self._parse_error = httptools.HttpParserError
         self._url = b""
         self._stream = False
         self._transport: asyncio.Transport | None = None
@@ -80,7 +81,13 @@ class ReplicaProtocol(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self._parser.feed_data(data)
+        try:
+            self._parser.feed_data(data)
+        except self._parse_error:
+            # Not HTTP/1.1 (a client probing with the HTTP/2 preface, say): close the
+            # connection, as an HTTP/1.1-only server does, so the client falls back.
+            assert self._transport is not None
+            self._transport.close()
 
     def on_message_begin(self) -> None:
         self._url = b""

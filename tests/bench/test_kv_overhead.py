@@ -88,3 +88,34 @@ def test_missing_peer_binaries_are_named(tmp_path: Path) -> None:
         (tmp_path / exe).write_text("")
     names = [p.name for p in standard_peers(tmp_path)]
     assert names == ["sglang cache_aware", "vllm cache_aware", "vllm consistent_hash"]
+
+
+async def test_a_fake_replica_closes_what_it_cannot_parse_and_serves_on() -> None:
+    import asyncio
+    from typing import Any
+
+    from bench.overhead_upstreams import ReplicaProtocol
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    server = await loop.create_server(ReplicaProtocol, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        # A client that opens with the HTTP/2 preface (prior knowledge), as a peer
+        # router's probe does: the connection is closed, nothing else happens.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        # The server goes on answering HTTP/1.1.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert errors == []
