@@ -15,6 +15,9 @@ Figures per run (definitions, so the table can be read without the code):
   (``ttft_source`` says which).
 * ``stay_share``: share of later turns (turn >= 2) that landed on the replica that served
   the previous turn of the same session (from ``x-kvroute-replica``).
+* ``exact_share``: share of later turns with a prediction (kvroute's
+  ``x-kvroute-predicted-cached-tokens``) whose engine-reported cached tokens equal it;
+  ``None`` for a target that predicts nothing (round robin, the peers).
 * ``spread``: requests per replica.
 """
 
@@ -68,6 +71,7 @@ class RunSummary:
     ttft_p99: float | None
     ttft_source: str
     stay_share: float | None
+    exact_share: float | None = None
     spread: dict[str, int] = field(default_factory=dict)
     wall_s: float | None = None
 
@@ -91,6 +95,16 @@ def stay_share(results: Sequence[RequestResult]) -> float | None:
                 moves += a.replica != b.replica
     total = stays + moves
     return stays / total if total else None
+
+
+def exact_share(results: Sequence[RequestResult]) -> float | None:
+    """Share of predicted later turns whose cached tokens are what was predicted."""
+    predicted = [r for r in results
+                 if r.ok and r.turn >= 2 and r.predicted_cached_tokens is not None]
+    if not predicted:
+        return None
+    exact = sum(r.predicted_cached_tokens == (r.cached_tokens or 0) for r in predicted)
+    return exact / len(predicted)
 
 
 def summarize(
@@ -128,6 +142,7 @@ def summarize(
         ttft_p99=percentile(ttfts, 99),
         ttft_source="simulated" if sim else "wall/time_scale",
         stay_share=stay_share(results),
+        exact_share=exact_share(results),
         spread=dict(sorted(spread.items())),
         wall_s=wall_s,
     )
@@ -180,14 +195,14 @@ def _render(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> str:
     """The comparison table, one row per run, then one per cache bound."""
     cols = ["policy", "prefill computed", "cached", "of LRU", "of OPT", "of inf", "TTFT p50",
-            "p90", "p99", "same replica", "errors"]
+            "p90", "p99", "same replica", "exact", "errors"]
     rows: list[list[str]] = []
     for s in runs:
         rows.append([
             s.name, f"{s.computed_tokens:,}", _fmt_pct(s.cached_share),
             _fmt_pct(s.of_pooled_lru), _fmt_pct(s.of_optimal), _fmt_pct(s.of_unbounded),
             _fmt_s(s.ttft_p50), _fmt_s(s.ttft_p90), _fmt_s(s.ttft_p99),
-            _fmt_pct(s.stay_share), str(s.errors),
+            _fmt_pct(s.stay_share), _fmt_pct(s.exact_share), str(s.errors),
         ])
     if bounds is not None:
         for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
@@ -225,7 +240,7 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
         for s in summaries:
             by_name.setdefault(s.name, []).append(s)
     cols = ["policy", "runs", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "p99",
-            "same replica", "errors"]
+            "same replica", "exact", "errors"]
     rows: list[list[str]] = []
     for name, runs in by_name.items():
         p99s = [s.ttft_p99 for s in runs if s.ttft_p99 is not None]
@@ -236,6 +251,7 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
             _fmt_pct(_median([s.of_unbounded for s in runs])),
             _fmt_s(_median([s.ttft_p50 for s in runs])), _spread_s(p99s),
             _fmt_pct(_median([s.stay_share for s in runs])),
+            _fmt_pct(_median([s.exact_share for s in runs])),
             str(sum(s.errors for s in runs)),
         ])
     if bounds is not None:

@@ -6,7 +6,14 @@ import pytest
 
 from bench.bounds import Bounds
 from bench.compare import PeerSpec, parse_sweep, scale_think
-from bench.report import format_repeats, format_table, percentile, stay_share, summarize
+from bench.report import (
+    exact_share,
+    format_repeats,
+    format_table,
+    percentile,
+    stay_share,
+    summarize,
+)
 from bench.runner import RequestResult
 from bench.workload import generate, preset
 
@@ -41,11 +48,12 @@ def test_sweep_parsing_and_think_scaling() -> None:
 
 
 def res(session: str, turn: int, replica: str, prompt: int, cached: int,
-        ttft: float, ok: bool = True) -> RequestResult:
+        ttft: float, ok: bool = True, predicted: int | None = None) -> RequestResult:
     return RequestResult(session=session, turn=turn, tenant=None, scheduled_s=0, sent_s=0,
                          status=200 if ok else 503, error=None if ok else "x",
                          ttft_s=ttft, sim_ttft_s=ttft / 10, replica=replica,
-                         prompt_tokens=prompt, cached_tokens=cached)
+                         prompt_tokens=prompt, cached_tokens=cached,
+                         predicted_cached_tokens=predicted)
 
 
 def test_summary_figures() -> None:
@@ -82,3 +90,22 @@ def test_repeated_rounds_are_reported_as_medians_with_their_spread() -> None:
     assert "20.0% [10.0%-30.0%]" in row  # the median cached share and its spread
     assert "200 ms [100 ms-300 ms]" in row  # TTFT p99 (simulated: ttft / 10)
     assert "bound: pooled LRU" in table and "33.3%" in table
+
+
+def test_exact_predictions_count_predicted_later_turns_only() -> None:
+    results = [
+        res("a", 1, "r1", 100, 0, 1.0, predicted=0),  # a first turn: not counted
+        res("a", 2, "r1", 200, 96, 0.5, predicted=96),  # exact
+        res("a", 3, "r1", 300, 160, 0.5, predicted=192),  # over-predicted
+        res("b", 2, "r2", 200, 96, 0.5),  # no prediction (another router)
+        res("b", 3, "r2", 300, 192, 0.5, ok=False, predicted=192),  # failed: not counted
+    ]
+    assert exact_share(results) == pytest.approx(1 / 2)
+    assert exact_share(results[3:4]) is None  # a target that predicts nothing
+    s = summarize("kv", results, time_scale=0.1)
+    assert s.exact_share == pytest.approx(1 / 2)
+    header, _rule, row = format_table([s]).splitlines()
+    assert header.split()[-2:] == ["exact", "errors"] and row.split()[-2:] == ["50%", "1"]
+    rounds = [[s], [summarize("kv", results[:2], time_scale=0.1)]]
+    row = format_repeats(rounds).splitlines()[2]
+    assert row.split()[-2:] == ["75%", "1"]  # the median of 50% and 100%; errors summed
