@@ -15,7 +15,9 @@ Policy, as in ``vllm/v1/core/sched/scheduler.py`` (FCFS, chunked prefill):
 * Waiting requests are admitted in order while there is budget, fewer than
   ``max_num_seqs`` run, no preemption happened this step, and the whole prompt fits
   (``scheduler_reserve_full_isl``: ``cdiv(n, B) - hits + evictable hits`` blocks free).
-  The head of the queue blocks the rest (FCFS).
+  The head of the queue blocks the rest (FCFS).  A request that arrived after the
+  step's start waits for the next step (the engine may plan a step after its start time
+  has passed on the wall clock).
 * Admission looks up the prefix cache: at most ``(n - 1) // B`` leading blocks (the last
   token is always recomputed), then the host tier for the blocks after the GPU hit.
   ``cached_tokens`` (usage) is fixed at the first admission; the prefix-cache counters
@@ -273,6 +275,8 @@ class Scheduler:
             stats = self.stats
             while waiting and budget > 0 and len(running) < max_seqs:
                 req = waiting[0]
+                if req.arrival_s > now:  # arrived during the last step (engine's run loop)
+                    break
                 num_tokens = len(req.tokens)
                 max_hit = (num_tokens - 1) // bs
                 hit = pool.longest_hit(req.keys, max_hit)
