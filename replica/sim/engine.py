@@ -192,10 +192,10 @@ class SimEngine:
                 continue
             start = self.now() if busy_until is None else busy_until
             plan = sched.schedule(start)
-            if not plan.scheduled and busy_until is not None:
-                busy_until = None  # only requests that arrived after that instant: now
-                continue
             if not plan.scheduled:
+                if busy_until is not None:  # only requests that arrived after it: now
+                    busy_until = None
+                    continue
                 # Nothing fits (e.g. the head request waits for blocks held by nobody
                 # running): wait for a new arrival or an abort.
                 await self._flush(pool.take_events())

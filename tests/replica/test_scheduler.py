@@ -193,3 +193,19 @@ def test_pending_latency_samples_stay_bounded_without_a_collector() -> None:
     st_ = eng.scheduler.stats
     assert st_.finished == 40
     assert len(st_.e2e_latencies) <= 11 and len(st_.ttfts) <= 11
+
+
+def test_a_request_that_arrives_after_a_steps_start_waits_for_the_next_step() -> None:
+    eng = _engine()
+    first = _req(eng, "a", list(range(1, 101)), max_tokens=50)
+    eng.scheduler.add(first, 0.0)
+    plan = eng.scheduler.schedule(0.0)
+    eng.scheduler.finish_step(plan, plan.duration_s)
+    late = _req(eng, "b", list(range(1, 101)))
+    eng.scheduler.add(late, plan.duration_s + 0.001)
+    # The engine plans the next step at the last one's end, before ``late`` arrived.
+    nxt = eng.scheduler.schedule(plan.duration_s)
+    assert [r.request_id for r, _n in nxt.scheduled] == ["a"]
+    eng.scheduler.finish_step(nxt, plan.duration_s + nxt.duration_s)
+    then = eng.scheduler.schedule(plan.duration_s + nxt.duration_s)
+    assert {r.request_id for r, _n in then.scheduled} == {"a", "b"}

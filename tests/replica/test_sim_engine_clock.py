@@ -61,18 +61,3 @@ async def test_steps_shorter_than_a_timer_tick_keep_their_simulated_duration() -
     scaled = await _scaled_latency(400, 0.05)
     assert virtual <= scaled < 1.5 * virtual
 
-
-def test_a_request_that_arrives_after_a_steps_start_waits_for_the_next_step() -> None:
-    eng = _engine(0)
-    first = _request(eng, "a", 50)
-    eng.scheduler.add(first, 0.0)
-    plan = eng.scheduler.schedule(0.0)
-    eng.scheduler.finish_step(plan, plan.duration_s)
-    late = _request(eng, "b", 4)
-    eng.scheduler.add(late, plan.duration_s + 0.001)
-    # The engine plans the next step at the last one's end, before ``late`` arrived.
-    nxt = eng.scheduler.schedule(plan.duration_s)
-    assert [r.request_id for r, _n in nxt.scheduled] == ["a"]
-    eng.scheduler.finish_step(nxt, plan.duration_s + nxt.duration_s)
-    then = eng.scheduler.schedule(plan.duration_s + nxt.duration_s)
-    assert {r.request_id for r, _n in then.scheduled} == {"a", "b"}
