@@ -22,7 +22,8 @@ front of the same replicas, inside a loopback-only network namespace) and of the
 path are interleaved round by round (best round kept).  Measured at concurrency 1
 (p50/p99, added against direct) and 32 (req/s, router CPU per request), non-streaming.
 The router's decisions are read from its ``/metrics`` afterwards (``kv`` must decide on
-hits, or the run proves nothing).
+hits, or the run proves nothing), with the ``kv`` policy's own time per request by stage
+(render, lookup, score, the rest of the decision), averaged over every ``kv`` request.
 
 ``--profile-s S`` then samples the router with ``py-spy`` (``--py-spy``, else on
 ``PATH``) for S seconds of ``kv`` load at concurrency 32 and prints where its CPU goes,
@@ -301,19 +302,37 @@ def _router_config(path: Path, port: int, replica_ports: list[int], event_ports:
     }))
 
 
-def _decisions(port: int) -> dict[str, float]:
+def _router_metrics(port: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The router's decisions (``policy/reason`` -> count) and the ``kv`` policy's own
+    time per request, in microseconds, averaged over every ``kv`` request of the run:
+    its stages (``router_kv_stage_seconds``: render, lookup, score), the decision and
+    its bookkeeping (``other``: the rest of ``router_route_seconds``) and the whole
+    (``route``)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    out: dict[str, float] = {}
+    decisions: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "router_decisions_total":
-                out[f"{s.labels['policy']}/{s.labels['reason']}"] = s.value
-    return out
+                decisions[f"{s.labels['policy']}/{s.labels['reason']}"] = s.value
+            elif s.name.startswith(("router_kv_stage_seconds_", "router_route_seconds_")):
+                name = s.labels.get("stage") or (
+                    "route" if s.labels.get("policy") == "kv" else None)
+                if name is not None and s.name.endswith("_sum"):
+                    sums[name] = s.value
+                elif name is not None and s.name.endswith("_count"):
+                    counts[name] = s.value
+    stages = {k: v / counts[k] * 1e6 for k, v in sums.items() if counts.get(k)}
+    if "route" in stages:
+        stages["other"] = stages["route"] - sum(
+            stages.get(k, 0.0) for k in ("render", "lookup", "score"))
+    return decisions, stages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(a shared machine slows every figure)", flush=True)
         best = uvloop.run(measure(replica_ports, router_port, args.phase_s, args.rounds,
                                   router.pid, replicas.pid, peers))
-        decisions = _decisions(router_port)
+        decisions, stages = _router_metrics(router_port)
         shares = (profile(args.py_spy, router.pid, router_port, replica_ports,
                           args.profile_s, args.out) if args.profile_s and args.py_spy else {})
         load_after = os.getloadavg()
@@ -395,12 +414,12 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    report = _report(best, decisions, shares, [x.spec.name for x in peers])
+    report = _report(best, decisions, stages, shares, [x.spec.name for x in peers])
     args.out.write_text(json.dumps({
         "replicas": args.replicas, "phase_s": args.phase_s, "rounds": args.rounds,
         "loadavg_before": load_before, "loadavg_after": load_after, "pinned": pin,
         "tokenizer": str(tok), "peers": [x.command for x in peer_specs],
-        "summary": report, "decisions": decisions,
+        "summary": report, "decisions": decisions, "kv_stages_us": stages,
         "cpu_by_component": shares,
         "best": {k: {str(c): asdict(r) for c, r in v.items()} for k, v in best.items()},
     }, indent=2))
@@ -409,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(best: dict[str, dict[int, PhaseResult]], decisions: dict[str, float],
-            shares: dict[str, float], peers: list[str]) -> dict[str, Any]:
+            stages: dict[str, float], shares: dict[str, float],
+            peers: list[str]) -> dict[str, Any]:
     direct = best["direct"]
     rr = best["round_robin"][32]
     rr_cpu = rr.router_cpu_us_per_request or float("nan")
@@ -432,6 +452,10 @@ def _report(best: dict[str, dict[int, PhaseResult]], decisions: dict[str, float]
     print(f"direct c32: {direct[32].rps:.0f} req/s; kv decisions: " + ", ".join(
         f"{k.split('/', 1)[1]} {v:.0f}" for k, v in sorted(decisions.items())
         if k.startswith("kv/")))
+    if stages:
+        print("kv's own time per request (router_kv_stage_seconds, every kv request): "
+              + ", ".join(f"{k} {stages[k]:.0f} us" for k in
+                          ("render", "lookup", "score", "other", "route") if k in stages))
     if peers:
         print("kv's c=32 throughput against each peer: " + ", ".join(
             f"{name} {kv['rps_c32'] / out[name]['rps_c32']:.1f}x" for name in peers))

@@ -77,3 +77,8 @@ def test_kv_overhead(tmp_path: Path, llama3_dir: Path) -> None:
     # the index was populated by the replicas' events: kv routed on hits, nothing else
     kv = {k: v for k, v in r["decisions"].items() if k.startswith("kv/")}
     assert set(kv) == {"kv/kv_hit"} and kv["kv/kv_hit"] > 0
+    # the kv policy's own time, by stage, from the router's histograms
+    stages = r["kv_stages_us"]
+    assert {"render", "lookup", "score", "other", "route"} <= set(stages)
+    assert all(stages[k] > 0 for k in ("render", "lookup", "score", "route"))
+    assert stages["route"] >= stages["render"] + stages["lookup"] + stages["score"]
