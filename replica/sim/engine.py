@@ -208,10 +208,10 @@ class SimEngine:
                 await asyncio.sleep(0)
             else:
                 assert self._t0 is not None
-                delay = self._t0 + end * self.time_scale - loop.time()
+                due = self._t0 + end * self.time_scale  # the step's end on the wall clock
+                delay = due - loop.time()
                 await asyncio.sleep(delay if delay > 0 else 0)
-                late = loop.time() - (self._t0 + end * self.time_scale)
-                busy_until = end if late < RESYNC_S else None
+                busy_until = end if loop.time() - due < RESYNC_S else None
             outputs = sched.finish_step(plan, end)
             self.steps += 1
             events = pool.take_events()
