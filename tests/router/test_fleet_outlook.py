@@ -4,6 +4,8 @@ and the tail allowance (``router.think_times``, ``router.displacement``,
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvkeys.types import ReplicaId
@@ -20,7 +22,7 @@ from router.fleet_outlook import FleetOutlook, OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
 from router.idle_runs import IdleRuns
 from router.service_times import ServiceTimes
-from router.think_times import BUCKET_S, Returning, ThinkTimes
+from router.think_times import BUCKET_S, SETTLE_QUANTILE, Returning, ThinkTimes
 from tests.router.helpers import replica_score as score
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -43,6 +45,44 @@ def test_return_share_counts_only_pauses_old_enough_to_have_come_back() -> None:
     assert tt.return_share(20.0) is None
     share = tt.return_share(20.0 + 2 * BUCKET_S)
     assert share == pytest.approx((9 + 1) / (10 + 2))
+
+
+def _recount(tt: ThinkTimes, now: float) -> float | None:
+    """The return share recounted over every kept bucket (the definition)."""
+    thinks = sorted(tt._recent)
+    if not thinks:
+        return None
+    longest = thinks[min(len(thinks) - 1, int(SETTLE_QUANTILE * len(thinks)))]
+    settled = int((now - longest) // BUCKET_S) - 1
+    counts = [c for key, c in tt._buckets.items() if key <= settled]
+    started = sum(n for n, _ in counts)
+    if started == 0:
+        return None
+    return (sum(r for _, r in counts) + 1) / (started + 2)
+
+
+@pytest.mark.parametrize("max_buckets", [3, 40, 2048])
+def test_return_share_equals_a_recount_at_any_uptime(max_buckets: int) -> None:
+    # The share is kept as running sums less the unsettled buckets, so that its cost
+    # does not grow with uptime; it must equal a recount over the kept buckets, also
+    # once old buckets have been dropped.
+    rng = random.Random(max_buckets)
+    tt = ThinkTimes(max_buckets=max_buckets, max_samples=64)
+    events: list[tuple[float, float | None]] = []  # (when, think time of a return)
+    t = 0.0
+    for _ in range(1500):
+        t += rng.expovariate(0.5)
+        events.append((t, None))
+        if rng.random() < 0.4:
+            wait = rng.uniform(1.0, 120.0)
+            events.append((t + wait, wait))
+    for now, think in sorted(events, key=lambda e: e[0]):
+        if think is None:
+            tt.paused(now)
+        else:
+            tt.returned(think, now)
+        for later in (now, now + 60.0, now + 300.0):
+            assert tt.return_share(later) == _recount(tt, later)
 
 
 def test_returning_conditions_on_the_time_already_paused() -> None:
