@@ -187,9 +187,10 @@ class ScoringSettings(_Section):
     future_weight: float = Field(default=1.0, ge=0)
     """Weight of a forecast future hit (an expected token of context kept or evicted)
     against a token computed now: 1, a token is a token."""
-    stay_quantile: float | None = Field(default=0.9, ge=0, le=1)
+    stay_quantile: float | None = Field(default=0.99, ge=0, le=1)
     """TTFT quantile (learnt from receipts) up to which a later turn is not charged the
-    queue on the replica holding its context; ``null``: off."""
+    queue on the replica holding its context (the tail it keeps requests out of: p99);
+    ``null``: off."""
     pool_headroom: bool = True
     """Charge a replica the wait until its pool holds the request beside this router's
     requests in flight there."""
