@@ -196,10 +196,14 @@ class RendererRegistry:
     def render_chat(self, body: Mapping[str, Any]) -> Prompt:
         """The prompt of a ``/v1/chat/completions`` body, rendered locally."""
         target = self.resolve(body.get("model"))
-        salt = validate_cache_salt(body.get("cache_salt"))
+        return self._render_chat(body, target, validate_cache_salt(body.get("cache_salt")))
+
+    def _render_chat(self, body: Mapping[str, Any], target: Target, salt: str | None) -> Prompt:
+        """``render_chat`` for the body's resolved target and checked salt."""
         renderer = _local(target)
-        keying = Keying(self.keyer, target.key_context(salt))
-        prompt = self._prompt(target, salt, renderer.render_chat(body, keying))
+        ctx = target.key_context(salt)
+        tok = renderer.render_chat(body, Keying(self.keyer, ctx))
+        prompt = self._prompt(target, salt, tok, ctx=ctx)
         self.stats.local_chat += 1
         return prompt
 
@@ -221,9 +225,16 @@ class RendererRegistry:
         return self._prompt(target, salt, Tokenized(token_ids, None), source="remote")
 
     def _prompt(
-        self, target: Target, salt: str | None, tok: Tokenized, *, source: str = "local"
+        self,
+        target: Target,
+        salt: str | None,
+        tok: Tokenized,
+        *,
+        source: str = "local",
+        ctx: KeyContext | None = None,
     ) -> Prompt:
-        ctx = target.key_context(salt)
+        if ctx is None:
+            ctx = target.key_context(salt)
         if tok.block_keys is not None:
             keys = tok.block_keys
         elif tok.segments is not None:
@@ -254,7 +265,7 @@ class RendererRegistry:
         salt = validate_cache_salt(body.get("cache_salt"))
         if target.renderer is not None:
             try:
-                return self.render_chat(body)
+                return self._render_chat(body, target, salt)
             except RenderUnsupported:
                 pass
         remote = self._remote(replica_url)

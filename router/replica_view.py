@@ -133,7 +133,9 @@ class ReplicaView:
         self._costs = costs
         self._foreign_per_request = foreign_prefill_tokens_per_request
         self._placement_tau_s = placement_tau_s
-        self._last_terms: dict[ReplicaId, tuple[LoadTerms, float]] = {}
+        self._last_terms: dict[ReplicaId, tuple[LoadTerms, Freshness]] = {}
+        """The load terms and freshness each replica was last scored with (its index
+        trust is computed for the gauges when they are read)."""
         self._placed: dict[ReplicaId, tuple[float, float]] = {}
         """New conversations placed (decaying value, when last updated)."""
         self._own_at_scrape: dict[ReplicaId, tuple[float, int, int]] = {}
@@ -189,7 +191,7 @@ class ReplicaView:
                 hot_blocks=min(hit.blocks, second),
                 costs=self._costs,
             ))
-            self._last_terms[r] = (terms, index_trust(fresh, self._weights))
+            self._last_terms[r] = (terms, fresh)
         return inputs, sighted
 
     def _load_terms(self, r: ReplicaId, now: float, new_conversation: bool) -> LoadTerms:
@@ -274,7 +276,7 @@ class ReplicaView:
     # ------------------------------------------------------------------ gauges
     def gauge_rows(self, now: float) -> Iterator[tuple[str, str, float]]:
         """Scrape-time gauge rows (horizon, rate, the load terms and trust used last)."""
-        for r, (terms, trust) in list(self._last_terms.items()):
+        for r, (terms, fresh) in list(self._last_terms.items()):
             h = self._horizon.horizon_s(r, now)
             if h is not None:
                 yield ("router_eviction_horizon_seconds", r, h)
@@ -283,4 +285,4 @@ class ReplicaView:
                 yield ("router_kv_allocation_blocks_per_second", r, rate)
             yield ("router_kv_load_queued_prefill_tokens", r, terms.queued_prefill_tokens)
             yield ("router_kv_load_decode", r, terms.decode_load)
-            yield ("router_kv_index_trust", r, trust)
+            yield ("router_kv_index_trust", r, index_trust(fresh, self._weights))
