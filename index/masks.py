@@ -25,7 +25,7 @@ where the last hit ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from itertools import groupby
 
@@ -53,8 +53,19 @@ def scan_masks(
     ``values`` are the holder masks of the prompt's blocks in order (0 where nobody holds
     one); ``ids[b]`` names the replica at bit ``b`` (bits without a name are ignored).
     ``values`` may be lazy: nothing past the block where the last hit ends is read."""
-    return scan_runs(((len(list(same)), mask) for mask, same in groupby(values)),
-                     allowed, stride, ids)  # fmt: skip
+    return scan_runs(_runs(values, allowed & ((1 << stride) - 1)), allowed, stride, ids)
+
+
+def _runs(values: Iterable[int], active: int) -> Iterator[tuple[int, int]]:
+    """``values`` as ``(count, mask)`` runs, up to the run that no replica of ``active``
+    (the allowed replica bits) holds into: there every hit has ended, so that run is
+    not counted (``scan_runs`` reads only its mask) and nothing after it is read."""
+    for mask, same in groupby(values):
+        active &= mask
+        if not active:
+            yield 0, mask
+            return
+        yield len(list(same)), mask
 
 
 def scan_runs(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,3 +86,15 @@ def test_scan_masks_matches_a_reference(case: tuple[int, list[int], int, bool]) 
     # Runs need not be maximal (a lazy input gives the same answer as a list).
     assert scan_runs([(1, v) for v in values], allowed, stride, ids).by_replica == want
     assert scan_masks(iter(values), allowed, stride, ids).by_replica == want
+
+
+def test_scan_masks_reads_nothing_past_the_run_where_the_last_hit_ends() -> None:
+    def values(head: tuple[int, ...]) -> Iterator[int]:
+        yield from head
+        raise AssertionError("read past the run where every hit ended")
+
+    ids = [ReplicaId("r0"), ReplicaId("r1")]
+    got = scan_masks(values((3, 3, 1, 0)), 0b11, 8, ids).by_replica
+    assert got == {ids[0]: ReplicaHit(3, 0, 0), ids[1]: ReplicaHit(2, 0, 0)}
+    assert scan_masks(values((0,)), 0b11, 8, ids).by_replica == {}
+    assert scan_masks(values((2,)), 0b01, 8, ids).by_replica == {}
