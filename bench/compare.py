@@ -5,6 +5,10 @@ fleet, and the ``X-KVRoute-Policy`` header on every request), or a peer router s
 from a command line (``PeerSpec``), or ``direct`` (the first replica alone, no router).
 Before each target every replica's prefix cache is emptied (``POST
 /reset_prefix_cache``) and the router is new, so every target starts from equal caches.
+With ``--repeats``, each round of targets runs on a fresh fleet: the replicas' addresses
+change, and with them every consistent-hash ring's assignment of sessions (a ring's
+cached share moves by points with the assignment alone), so a median over repeats is
+over several assignments.
 
 The cache bounds (``bench.bounds``) need the exact token ids the replicas hash: they come
 from the replica's own ``POST /tokenize`` for each turn's messages (the trace's fixed
@@ -280,16 +284,25 @@ async def run_compare(
                              block_size=args.block_size, num_blocks=num_blocks,
                              time_scale=scale, profile=args.profile, router=False,
                              log_dir=out / "logs")
-            async with Fleet(spec) as fleet:
-                reqs = await tokenize_trace(fleet.replica_urls[0], trace, model=spec.model,
-                                            max_tokens_cap=args.max_tokens)
-                bounds = cache_bounds(reqs, block_size=args.block_size,
-                                      capacity=replicas * (num_blocks - 1), model=spec.model)
-                rounds = []
-                for _ in range(repeats):  # targets interleaved round by round
+            bounds = None
+            rounds = []
+            for _ in range(repeats):  # targets interleaved round by round
+                # A fresh fleet each round: new addresses, so every consistent-hash ring
+                # (session affinity, the peers' consistent_hash, kv's tie order) assigns
+                # the sessions anew, and a ring's median is over that many assignments
+                # rather than one lucky or unlucky draw repeated.
+                async with Fleet(spec) as fleet:
+                    if bounds is None:
+                        reqs = await tokenize_trace(fleet.replica_urls[0], trace,
+                                                    model=spec.model,
+                                                    max_tokens_cap=args.max_tokens)
+                        bounds = cache_bounds(reqs, block_size=args.block_size,
+                                              capacity=replicas * (num_blocks - 1),
+                                              model=spec.model)
                     rounds.append(await run_targets(
                         fleet, targets, trace, run_cfg,
                         progress_bars(not args.no_progress, len(trace))))
+            assert bounds is not None  # repeats >= 1
             summaries = [[report.summarize(r.target.name, r.results, time_scale=scale,
                                            bounds=bounds, wall_s=round(r.wall_s, 2))
                           for r in runs if r.error is None] for runs in rounds]

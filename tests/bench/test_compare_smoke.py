@@ -53,6 +53,9 @@ def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> 
     assert "] " in done.stdout  # medians with their [min-max] spread
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(results) == 4 * summary["requests"]
+    # Each repeat runs on a fresh fleet: other addresses, so the rings assign anew.
+    addresses = [{r["replica"] for r in results if r["repeat"] == i} for i in (0, 1)]
+    assert addresses[0] and addresses[1] and not addresses[0] & addresses[1]
     for p in points:
         assert p["errors"] == 0 and p["requests"] == summary["requests"]
         # Every request starts with the trace's shared first block: some of it is cached,
