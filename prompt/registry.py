@@ -202,17 +202,23 @@ class RendererRegistry:
         """``render_chat`` for the body's resolved target and checked salt."""
         renderer = _local(target)
         ctx = target.key_context(salt)
-        tok = renderer.render_chat(body, Keying(self.keyer, ctx))
-        prompt = self._prompt(target, salt, tok, ctx=ctx)
+        prompt = self._prompt(ctx, salt, renderer.render_chat(body, Keying(self.keyer, ctx)))
         self.stats.local_chat += 1
         return prompt
 
     def render_completion(self, body: Mapping[str, Any]) -> list[Prompt]:
         """The prompts of a ``/v1/completions`` body (one per batched prompt), locally."""
         target = self.resolve(body.get("model"))
-        salt = validate_cache_salt(body.get("cache_salt"))
+        return self._render_completion(body, target,
+                                       validate_cache_salt(body.get("cache_salt")))
+
+    def _render_completion(
+        self, body: Mapping[str, Any], target: Target, salt: str | None
+    ) -> list[Prompt]:
+        """``render_completion`` for the body's resolved target and checked salt."""
         renderer = _local(target)
-        prompts = [self._prompt(target, salt, t) for t in renderer.tokenize_completion(body)]
+        ctx = target.key_context(salt)
+        prompts = [self._prompt(ctx, salt, t) for t in renderer.tokenize_completion(body)]
         self.stats.local_completion += 1
         return prompts
 
@@ -222,19 +228,13 @@ class RendererRegistry:
         """A prompt for token ids obtained elsewhere (a replica, an event)."""
         target = self.resolve(model)
         salt = validate_cache_salt(cache_salt)
-        return self._prompt(target, salt, Tokenized(token_ids, None), source="remote")
+        return self._prompt(target.key_context(salt), salt, Tokenized(token_ids, None),
+                            source="remote")
 
     def _prompt(
-        self,
-        target: Target,
-        salt: str | None,
-        tok: Tokenized,
-        *,
-        source: str = "local",
-        ctx: KeyContext | None = None,
+        self, ctx: KeyContext, salt: str | None, tok: Tokenized, *, source: str = "local"
     ) -> Prompt:
-        if ctx is None:
-            ctx = target.key_context(salt)
+        """The prompt of ``tok`` keyed under ``ctx`` (the target's context for ``salt``)."""
         if tok.block_keys is not None:
             keys = tok.block_keys
         elif tok.segments is not None:
@@ -286,7 +286,7 @@ class RendererRegistry:
         salt = validate_cache_salt(body.get("cache_salt"))
         if target.renderer is not None:
             try:
-                return self.render_completion(body)
+                return self._render_completion(body, target, salt)
             except RenderUnsupported:
                 pass
         remote = self._remote(replica_url)
