@@ -24,7 +24,9 @@ is only found through its predecessors).  Requests are taken in trace order.
 * ``unbounded``: an infinite cache: every block that repeats a prefix seen earlier in
   the trace.  What the workload itself allows.
 
-``share(saved)`` reports a policy's cached tokens as a share of each bound.
+``share(saved)`` reports a policy's cached tokens as a share of each bound;
+``pooled_lru_saved`` gives the pooled LRU figure alone at any capacity (the replay
+compares a fleet with one such cache less the copies its pools held).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 from kvkeys.keys import block_keys
 
-__all__ = ["Bounds", "CacheRequest", "cache_bounds", "optimal_hits"]
+__all__ = ["Bounds", "CacheRequest", "cache_bounds", "optimal_hits", "pooled_lru_saved"]
 
 _NEVER = 1 << 62
 
@@ -153,13 +155,11 @@ def optimal_hits(
     return hits
 
 
-def cache_bounds(
-    requests: Iterable[CacheRequest], *, block_size: int, capacity: int, model: str
-) -> Bounds:
-    """The three figures of the module docstring for ``requests`` in order, with
-    ``capacity`` blocks in the pooled caches (the fleet's usable blocks together)."""
-    if block_size <= 0 or capacity <= 0:
-        raise ValueError("block_size and capacity must be > 0")
+def _chains(
+    requests: Iterable[CacheRequest], block_size: int, model: str
+) -> tuple[list[tuple[list[object], int, int]], int]:
+    """Per request with a prompt: its block keys, how many may hit, the blocks its reply
+    fills; and the prompt tokens of them all."""
     chains: list[tuple[list[object], int, int]] = []
     prompt = 0
     for req in requests:
@@ -172,6 +172,28 @@ def cache_bounds(
         out_blocks = (n + max(req.output_tokens - 1, 0)) // block_size - n // block_size
         chains.append((keys, limit, out_blocks))
         prompt += n
+    return chains, prompt
+
+
+def pooled_lru_saved(
+    requests: Iterable[CacheRequest], *, block_size: int, capacity: int, model: str
+) -> int:
+    """The tokens one LRU cache of ``capacity`` blocks serves from cache (the pooled LRU
+    figure of ``cache_bounds``, alone, at any capacity)."""
+    if block_size <= 0 or capacity <= 0:
+        raise ValueError("block_size and capacity must be > 0")
+    chains, _ = _chains(requests, block_size, model)
+    return sum(_lru_hits(chains, capacity)) * block_size
+
+
+def cache_bounds(
+    requests: Iterable[CacheRequest], *, block_size: int, capacity: int, model: str
+) -> Bounds:
+    """The three figures of the module docstring for ``requests`` in order, with
+    ``capacity`` blocks in the pooled caches (the fleet's usable blocks together)."""
+    if block_size <= 0 or capacity <= 0:
+        raise ValueError("block_size and capacity must be > 0")
+    chains, prompt = _chains(requests, block_size, model)
     lru = _lru_hits(chains, capacity)
     unbounded = _lru_hits(chains, None)
     optimal = optimal_hits([keys for keys, _, _ in chains], [lim for _, lim, _ in chains],

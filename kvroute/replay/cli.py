@@ -2,7 +2,9 @@
 
 Replays one workload through each policy on fleets of each pool size and prints one
 Markdown table per pool size (cached share, share of each cache bound, simulated TTFT
-p50/p99, moved later turns, exact predictions), plus a JSON file with ``--out``.
+p50/p99, moved later turns, exact predictions, the fleet's copies of blocks and the
+pooled LRU figure less them: ``kvroute.replay.summary``), plus a JSON file with
+``--out``.
 
 With ``--namings K`` every policy runs under K namings of the replicas (the same
 fleet, other names, so consistent-hash rings assign sessions differently) and the table
@@ -100,10 +102,11 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     from kvroute.replay.breakdown import breakdown, format_breakdown
-    from kvroute.replay.loop import ReplayConfig, Served, replay
+    from kvroute.replay.loop import ReplayConfig, Served, replay_run
     from kvroute.replay.summary import (
         RunFigures,
         bounds_of,
+        copies_of,
         figures,
         format_namings,
         format_table,
@@ -124,14 +127,16 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
                                block_size=base.block_size, profile=base.profile,
                                naming=naming)
             for policy in policies:
-                served = await replay(policy, requests, cfg)
+                run = await replay_run(policy, requests, cfg)
+                served = run.served
                 if naming == 0:
                     by_policy[policy] = served
                 # Each run against the bounds of the order its own requests arrived in
                 # (later turns wait for earlier replies, so the order depends on the
                 # policy).
                 own = bounds_of(served, requests, cfg)
-                by_naming[policy].append(figures(policy, served, own))
+                by_naming[policy].append(figures(policy, served, own,
+                                                 copies_of(run, requests, cfg)))
                 points.append({"num_blocks": nb, "naming": naming,
                                **by_naming[policy][-1].to_json(), "bounds": own.shares()})
                 bounds = bounds or own

@@ -17,6 +17,9 @@ Events, in time order (ties in the order they were queued, so a run is determini
 * **scrape** of every replica every ``scrape.interval_s``: the pool size and usage the
   ``/metrics`` scrape would show, into the horizon estimator.
 
+The replicas' pool events also count the fleet's copies of blocks
+(``kvroute.replay.copies``; ``replay_run``).
+
 The router's clocks are the simulated clock: time-based judgements (provisional TTL,
 placement decay, horizon) run at time scale 1 whatever the replay's speed.  There is
 one router, so the scrape's foreign load is always zero and is not modelled.
@@ -33,6 +36,7 @@ from typing import Any
 
 from index.memory import InMemoryIndex
 from kvkeys.types import ReplicaId
+from kvroute.replay.copies import BlockCopies
 from kvroute.replay.replica import VirtualReplica
 from kvroute.replay.requests import ReplayRequest
 from prompt.keyer import Prompt
@@ -51,7 +55,7 @@ from router.receipts import ReceiptCalibration
 from router.session_policy import SessionPolicy
 from router.session_table import SessionTable
 
-__all__ = ["POLICIES", "ReplayConfig", "Served", "replay"]
+__all__ = ["POLICIES", "ReplayConfig", "ReplayRun", "Served", "replay", "replay_run"]
 
 POLICIES: tuple[str, ...] = ("round_robin", "least_loaded", "session", "kv")
 
@@ -175,9 +179,11 @@ class _Replay:
         index = InMemoryIndex()
         vocab = list(range(1, cfg.vocab_size + 1))
         profile = get_profile(cfg.profile)
+        self.copies = BlockCopies()
         self.reps = {
             r: VirtualReplica(r, model=cfg.model, profile=profile, num_blocks=cfg.num_blocks,
-                              block_size=cfg.block_size, vocab=vocab, index=index, seed=i)
+                              block_size=cfg.block_size, vocab=vocab, index=index, seed=i,
+                              copies=self.copies)
             for i, r in enumerate(cfg.replica_ids())
         }
         self.candidates = list(self.reps)
@@ -302,9 +308,29 @@ class _Replay:
         self._next_turn(p.req.session, self.now)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayRun:
+    """One replay: what happened to each request, and what the fleet's caches held."""
+
+    served: list[Served]
+    """One per request, in completion order."""
+    mean_copies: float
+    """Blocks the fleet's pools held that another block of the fleet also held,
+    averaged over simulated time (``kvroute.replay.copies``)."""
+
+
+async def replay_run(
+    policy: str, requests: Sequence[ReplayRequest], cfg: ReplayConfig
+) -> ReplayRun:
+    """Replay ``requests`` through ``policy`` on a fresh fleet."""
+    run = _Replay(policy, cfg)
+    served = await run.run(requests)
+    return ReplayRun(served, run.copies.mean_copies())
+
+
 async def replay(
     policy: str, requests: Sequence[ReplayRequest], cfg: ReplayConfig
 ) -> list[Served]:
     """Replay ``requests`` through ``policy`` on a fresh fleet; one ``Served`` per
     request, in completion order."""
-    return await _Replay(policy, cfg).run(requests)
+    return (await replay_run(policy, requests, cfg)).served

@@ -7,7 +7,8 @@ production path into the router's index: vLLM 0.32 structs (``replica.sim.event_
 msgpack encoding and decoding (``index.events``), and the event ingestor
 (``index.event_applier``), which resolves engine hashes to request keys through the token ids
 the events carry.  The router learns of a block exactly one engine step after it was
-scheduled, as it would with a zero-latency event stream.
+scheduled, as it would with a zero-latency event stream.  The same events, when asked,
+count the fleet's copies of blocks (``kvroute.replay.copies``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from index.events import KVEventBatch, decode_batch, encode_batch
 from index.memory import InMemoryIndex
 from index.status import SourceStatus
 from kvkeys.types import ReplicaId, RequestKey
+from kvroute.replay.copies import BlockCopies
 from replica.sim.block_pool import BlockPool, make_engine_hasher
 from replica.sim.event_sink import to_wire
 from replica.sim.profiles import Profile
@@ -47,6 +49,7 @@ class VirtualReplica:
         vocab: list[int],
         index: InMemoryIndex,
         seed: int = 0,
+        copies: BlockCopies | None = None,
     ) -> None:
         self.id = replica_id
         self.model = model
@@ -56,6 +59,7 @@ class VirtualReplica:
         self.ingestor = EventIngestor(index, replica_id, model)
         self.busy: _Busy | None = None
         self.batches = 0
+        self._copies = copies
 
     def status(self) -> SourceStatus:
         """The event source's status as the ingestion would report it: live, no lag."""
@@ -91,6 +95,8 @@ class VirtualReplica:
         outputs = self.scheduler.finish_step(busy.plan, now)
         events = self.pool.take_events()
         stored = 0
+        if events and self._copies is not None:
+            self._copies.apply(self.id, events, now)
         if events:
             batch = KVEventBatch(ts=now, events=[to_wire(e) for e in events],
                                  data_parallel_rank=None)

@@ -1,5 +1,12 @@
-"""Figures of a replay run: cached share, simulated TTFT, moves, exact predictions, and
-the share of each cache bound (``bench.bounds``)."""
+"""Figures of a replay run: cached share, simulated TTFT, moves, exact predictions, the
+share of each cache bound (``bench.bounds``), and the fleet's copies of blocks.
+
+The pooled bounds hold every block once; a fleet holds a block once per replica that
+computed it (``kvroute.replay.copies``).  ``copies_of`` gives the capacity that cost a
+run (the copies its pools held on average, as a share of the fleet's blocks) and the
+share of prompt tokens one pooled LRU cache serves with that much less capacity: the
+pooled LRU figure for a fleet that holds those copies, so that a policy's distance from
+the pooled LRU bound can be split into the copies it kept and the rest."""
 
 from __future__ import annotations
 
@@ -9,11 +16,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.bounds import Bounds, CacheRequest, cache_bounds
-from kvroute.replay.loop import ReplayConfig, Served
+from bench.bounds import Bounds, CacheRequest, cache_bounds, pooled_lru_saved
+from kvroute.replay.loop import ReplayConfig, ReplayRun, Served
 from kvroute.replay.requests import ReplayRequest
 
-__all__ = ["RunFigures", "bounds_of", "figures", "format_namings", "format_table"]
+__all__ = [
+    "Copies",
+    "RunFigures",
+    "bounds_of",
+    "copies_of",
+    "figures",
+    "format_namings",
+    "format_table",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Copies:
+    """What holding copies cost one run's fleet (module docstring)."""
+
+    share: float
+    """The copies the fleet's pools held, averaged over time, per block of capacity."""
+    pooled_lru_less: float
+    """The prompt tokens one LRU cache of the fleet's capacity less those copies serves
+    from cache, as a share of the prompt tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +62,10 @@ class RunFigures:
     of_pooled_lru: float | None = None
     of_optimal: float | None = None
     of_unbounded: float | None = None
+    copies_share: float | None = None
+    """``Copies.share``, when counted."""
+    lru_less_copies: float | None = None
+    """``Copies.pooled_lru_less``, when counted."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -49,22 +79,46 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def _arrived(served: Sequence[Served], requests: Sequence[ReplayRequest]) -> list[CacheRequest]:
+    """The requests served, in the order they arrived."""
+    by_key = {(r.session, r.turn): r for r in requests}
+    order = sorted((s for s in served if s.ok), key=lambda s: (s.arrival_s, s.session, s.turn))
+    return [CacheRequest(r.tokens, r.max_tokens, r.cache_salt)
+            for r in (by_key[(s.session, s.turn)] for s in order)]
+
+
+def _capacity(cfg: ReplayConfig) -> int:
+    """The fleet's usable blocks (each pool's null block left out)."""
+    return cfg.replicas * (cfg.num_blocks - 1)
+
+
 def bounds_of(
     served: Sequence[Served], requests: Sequence[ReplayRequest], cfg: ReplayConfig
 ) -> Bounds:
     """The cache bounds over the requests served, in the order they arrived."""
-    by_key = {(r.session, r.turn): r for r in requests}
-    order = sorted((s for s in served if s.ok), key=lambda s: (s.arrival_s, s.session, s.turn))
-    reqs = [by_key[(s.session, s.turn)] for s in order]
-    return cache_bounds(
-        (CacheRequest(r.tokens, r.max_tokens, r.cache_salt) for r in reqs),
-        block_size=cfg.block_size, capacity=cfg.replicas * (cfg.num_blocks - 1),
-        model=cfg.model,
-    )
+    return cache_bounds(_arrived(served, requests), block_size=cfg.block_size,
+                        capacity=_capacity(cfg), model=cfg.model)
 
 
-def figures(policy: str, served: Sequence[Served], bounds: Bounds | None = None) -> RunFigures:
-    """Summarise one run (``bounds``: the denominators, if computed)."""
+def copies_of(run: ReplayRun, requests: Sequence[ReplayRequest], cfg: ReplayConfig) -> Copies:
+    """What the copies ``run``'s pools held cost it, against one pooled LRU cache of the
+    fleet's capacity less them (module docstring)."""
+    capacity = _capacity(cfg)
+    arrived = _arrived(run.served, requests)
+    prompt = sum(len(r.tokens) for r in arrived)
+    less = max(1, round(capacity - run.mean_copies))
+    saved = pooled_lru_saved(arrived, block_size=cfg.block_size, capacity=less,
+                             model=cfg.model)
+    return Copies(share=run.mean_copies / capacity,
+                  pooled_lru_less=saved / prompt if prompt else 0.0)
+
+
+def figures(
+    policy: str, served: Sequence[Served], bounds: Bounds | None = None,
+    copies: Copies | None = None,
+) -> RunFigures:
+    """Summarise one run (``bounds``: the denominators, ``copies``: what copies cost it,
+    if computed)."""
     ok = [s for s in served if s.ok]
     prompt = sum(s.prompt_tokens for s in ok)
     cached = sum(s.cached_tokens for s in ok)
@@ -82,6 +136,8 @@ def figures(policy: str, served: Sequence[Served], bounds: Bounds | None = None)
         exact_share=exact / len(predicted) if predicted else None,
         of_pooled_lru=shares.get("of_pooled_lru"), of_optimal=shares.get("of_optimal"),
         of_unbounded=shares.get("of_unbounded"),
+        copies_share=copies.share if copies is not None else None,
+        lru_less_copies=copies.pooled_lru_less if copies is not None else None,
     )
 
 
@@ -97,12 +153,13 @@ def format_table(label: str, runs: Sequence[RunFigures], bounds: Bounds | None) 
     """A Markdown table, one row per policy, then the bounds (``bounds``: those of the
     first run's arrival order; each run's shares use its own)."""
     head = ["pool", "policy", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "TTFT p99",
-            "moved", "exact"]
+            "moved", "exact", "copies", "LRU less copies"]
     rows = [head, ["---"] * len(head)]
     for r in runs:
         rows.append([label, r.policy, _p(r.cached_share), _p(r.of_pooled_lru), _p(r.of_optimal),
                      _p(r.of_unbounded), _ms(r.ttft_p50_s), _ms(r.ttft_p99_s),
-                     _p(r.moved_share), _p(r.exact_share)])
+                     _p(r.moved_share), _p(r.exact_share), _p(r.copies_share),
+                     _p(r.lru_less_copies)])
     if bounds is not None:
         for name, share in bounds.shares().items():
             rows.append([label, f"bound: {name}", _p(share)] + ["-"] * (len(head) - 3))
@@ -125,7 +182,7 @@ def format_namings(
     (the same hash assignment on both sides); then the bounds of the first run's
     arrival order."""
     head = ["pool", "policy", "namings", "cached", "of LRU", "TTFT p99", "moved", "exact",
-            "ahead of first", "difference"]
+            "copies", "LRU less copies", "ahead of first", "difference"]
     rows = [head, ["---"] * len(head)]
     first = next(iter(runs.values()), [])
     for policy, figs in runs.items():
@@ -136,6 +193,8 @@ def format_namings(
             label, policy, str(len(figs)), _spread([f.cached_share for f in figs]),
             _p(_median([f.of_pooled_lru for f in figs])), _spread(p99s, "ms"),
             _p(_median([f.moved_share for f in figs])), _p(_median([f.exact_share for f in figs])),
+            _p(_median([f.copies_share for f in figs])),
+            _p(_median([f.lru_less_copies for f in figs])),
             "-" if figs is first else f"{ahead}/{len(diffs)}",
             "-" if figs is first else _signed_points(diffs),
         ])
