@@ -2,11 +2,11 @@
 share of each cache bound (``bench.bounds``), and the fleet's copies of blocks.
 
 The pooled bounds hold every block once; a fleet holds a block once per replica that
-computed it (``kvroute.replay.copies``).  ``copies_of`` gives the capacity that cost a
-run (the copies its pools held on average, as a share of the fleet's blocks) and the
-share of prompt tokens one pooled LRU cache serves with that much less capacity: the
-pooled LRU figure for a fleet that holds those copies, so that a policy's distance from
-the pooled LRU bound can be split into the copies it kept and the rest."""
+computed it (``kvroute.replay.copies``).  ``copies_of`` gives what that cost a run: the
+copies its pools held on average, as a share of the fleet's blocks, and the share of
+prompt tokens one pooled LRU cache serves with that much less capacity (the pooled LRU
+figure for a fleet that holds those copies).  A policy's distance from the pooled LRU
+bound so splits into the copies it kept and the rest."""
 
 from __future__ import annotations
 
