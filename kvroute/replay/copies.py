@@ -30,13 +30,13 @@ class BlockCopies:
 
     def __init__(self) -> None:
         self._fleet: Counter[RequestKey] = Counter()
-        """Physical blocks holding each key, fleet-wide."""
+        """Physical blocks holding each key, fleet-wide (no zero counts)."""
+        self._blocks = 0
+        """Physical blocks holding a key, fleet-wide."""
         self._held: dict[ReplicaId, Counter[RequestKey]] = {}
         """Per replica: physical blocks holding each key."""
         self._key_of: dict[ReplicaId, dict[int, RequestKey]] = {}
         """Per replica: the key behind each engine hash its events carry."""
-        self.copies = 0
-        """Physical blocks now holding a key that another block also holds."""
         self._area = 0.0
         self._start: float | None = None
         self._last = 0.0
@@ -53,7 +53,7 @@ class BlockCopies:
                 for h, key in zip(ev.block_hashes, ev.keys, strict=True):
                     key_of[h] = key
                     held[key] += 1
-                    self._add(key)
+                    self._change(key, 1)
             elif isinstance(ev, Removed):
                 if ev.medium != MEDIUM_GPU:
                     continue
@@ -63,13 +63,17 @@ class BlockCopies:
                     if not held[key]:
                         del held[key]
                         del key_of[h]
-                    self._remove(key)
+                    self._change(key, -1)
             elif isinstance(ev, Cleared):
                 for key, n in held.items():
-                    for _ in range(n):
-                        self._remove(key)
+                    self._change(key, -n)
                 held.clear()
                 key_of.clear()
+
+    @property
+    def copies(self) -> int:
+        """Physical blocks now holding a key that another block also holds."""
+        return self._blocks - len(self._fleet)
 
     def mean_copies(self) -> float:
         """The copies averaged over simulated time (0 before two events)."""
@@ -84,14 +88,11 @@ class BlockCopies:
             self._area += self.copies * (now - self._last)
         self._last = max(self._last, now)
 
-    def _add(self, key: RequestKey) -> None:
-        if self._fleet[key]:
-            self.copies += 1
-        self._fleet[key] += 1
-
-    def _remove(self, key: RequestKey) -> None:
-        self._fleet[key] -= 1
-        if self._fleet[key]:
-            self.copies -= 1
+    def _change(self, key: RequestKey, n: int) -> None:
+        """``n`` more (or, negative, fewer) physical blocks hold ``key``."""
+        self._blocks += n
+        left = self._fleet[key] + n
+        if left:
+            self._fleet[key] = left
         else:
             del self._fleet[key]
