@@ -4,8 +4,9 @@ processes of the benchmark, started and stopped as one unit.
 ``Fleet`` is an async context manager.  On entry it starts the replicas concurrently,
 each on a free loopback port (the replica prints a JSON line with its URL), waits for
 their ``/health``, then starts the router on a free port in front of them and waits for
-``/ready``.  On exit, for any reason (an error, ``Ctrl-C``, a cancelled task), it sends
-SIGTERM to every process it started, waits for them briefly, and SIGKILLs the rest.
+``/ready`` and for every KV event source the router lists to be live (``wait_kv_live``).
+On exit, for any reason (an error, ``Ctrl-C``, a cancelled task), it sends SIGTERM to
+every process it started, waits for them briefly, and SIGKILLs the rest.
 Each child runs in its own session (process group), and only those groups are signalled.
 
 Children are ``sys.executable -m kvroute ...``: bench never imports ``router`` or
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,37 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+async def wait_kv_live(
+    url: str, deadline: float, *, check: Callable[[], None] = lambda: None
+) -> None:
+    """Until ``/ready`` of the router at ``url`` shows every KV event source it lists as
+    live (``kv_events.sources``; a router with none returns at once), or ``FleetError``
+    at ``deadline`` (``time.monotonic()``).  ``check`` raises when the router died.
+
+    A router takes traffic after ``scoring.startup_sync_s`` whether or not it has replayed
+    the replicas' event history by then.  A fleet that served earlier targets holds up to
+    ``buffer_steps`` batches per replica (those targets' runs and the reset after them),
+    and on a busy machine their replay can outlast the sync window: the first turns of
+    the next target would then route on an index still catching up.  Every target
+    starts from an index in step with the replicas instead."""
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    sources: dict[str, str] = {}
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        while True:
+            check()
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                async with http.get(url + "/ready") as resp:
+                    body = await resp.json(content_type=None)
+                kv = body.get("kv_events") if isinstance(body, dict) else None
+                sources = (kv or {}).get("sources") or {}
+                if all(state == "live" for state in sources.values()):
+                    return
+            if time.monotonic() > deadline:
+                raise FleetError(f"the router at {url} did not get its KV event sources "
+                                 f"live in time: {sources}")
+            await asyncio.sleep(0.05)
 
 
 def kvroute_command(*args: str) -> list[str]:
@@ -181,7 +213,9 @@ class Fleet:
         # The router judges time in the replicas' time (``RouterSettings.time_scale``).
         child = await self._spawn(name, argv, {"KVROUTE_TIME_SCALE": str(self.spec.time_scale)})
         url = f"http://127.0.0.1:{port}"
-        await self._wait_http(child, url + "/ready")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        await self._wait_http(child, url + "/ready", deadline)
+        await wait_kv_live(url, deadline, check=lambda: self._check_alive(child))
         return url, child
 
     @contextlib.asynccontextmanager
