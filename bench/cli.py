@@ -191,6 +191,10 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
                    "repeatable, one axis at a time")
     c.add_argument("--out", type=Path, default=Path("kvroute-bench-out"),
                    help="output folder (summary JSON, results, plots)")
+    c.add_argument("--no-skip-idle", action="store_true",
+                   help="wait out the fleet's idle time instead of skipping it (by default "
+                   "the replicas', kvroute routers' and the runner's clocks move forward "
+                   "together whenever nothing is in flight: bench/idle_skip.py)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_bench_compare)
 

@@ -244,6 +244,7 @@ async def run_compare(
     import json
     from pathlib import Path
 
+    from aio.clock_warp import ClockWarp
     from bench import plots, report
     from bench.bounds import cache_bounds
     from bench.fleet import FleetSpec, build_tokenizer_dir
@@ -265,9 +266,15 @@ async def run_compare(
             "time (RouterSettings.time_scale), the peer routers in wall time (their "
             f"windows are stretched {1 / scale:g}x); pass --time-scale 1 for figures where "
             "no router's clock differs from the replicas'")
+    # Idle time is skipped (bench.idle_skip): the replicas, kvroute's routers and the
+    # runner read one clock offset, moved forward whenever nothing is in flight.
+    clock_file = None
+    if not getattr(args, "no_skip_idle", False):
+        clock_file = (out / "clock-warp").resolve()
+        ClockWarp.create(clock_file).close()
     run_cfg = RunConfig(url="", model="kvroute-bench", time_scale=scale, replies=args.replies,
                         stream=not args.no_stream, max_tokens_cap=args.max_tokens,
-                        sim_timing=True)
+                        sim_timing=True, clock_file=clock_file)
     sweeps = parse_sweep(args.sweep) or [("none", [0.0])]
     lines: list[str] = []  # every request of every run, for results.jsonl
     texts: list[str] = []
@@ -283,7 +290,7 @@ async def run_compare(
             spec = FleetSpec(tokenizer=tok_dir, replicas=replicas, model=run_cfg.model,
                              block_size=args.block_size, num_blocks=num_blocks,
                              time_scale=scale, profile=args.profile, router=False,
-                             log_dir=out / "logs")
+                             log_dir=out / "logs", clock_file=clock_file)
             bounds = None
             rounds = []
             for _ in range(repeats):  # targets interleaved round by round

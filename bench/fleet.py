@@ -67,6 +67,9 @@ class FleetSpec:
     sim_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    clock_file: Path | None = None
+    """A clock warp file (``aio.clock_warp``) the replicas and kvroute routers read, so a
+    benchmark can skip the fleet's idle time (``bench.idle_skip``)."""
     wrap: tuple[str, ...] = ()
     """A command prefix for every child, e.g. ``("ip", "netns", "exec", "kvbench-1")``."""
 
@@ -193,6 +196,7 @@ class Fleet:
                 "--block-size", str(spec.block_size), "--time-scale", str(spec.time_scale),
                 "--profile", spec.profile, "--seed", str(i), "--log-level", "WARNING",
                 *(["--num-blocks", str(spec.num_blocks)] if spec.num_blocks else []),
+                *(["--clock-file", str(spec.clock_file)] if spec.clock_file else []),
                 *spec.sim_args,
             )
             sims.append(await self._spawn(f"replica{i}", argv))
@@ -211,7 +215,10 @@ class Fleet:
             *self.spec.router_args,
         )
         # The router judges time in the replicas' time (``RouterSettings.time_scale``).
-        child = await self._spawn(name, argv, {"KVROUTE_TIME_SCALE": str(self.spec.time_scale)})
+        env = {"KVROUTE_TIME_SCALE": str(self.spec.time_scale)}
+        if self.spec.clock_file is not None:  # and its clock moves with theirs
+            env["KVROUTE_CLOCK_FILE"] = str(self.spec.clock_file)
+        child = await self._spawn(name, argv, env)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         await self._wait_http(child, url + "/ready", deadline)

@@ -36,10 +36,13 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
 
+from aio.clock_warp import ClockWarp
+from bench.idle_skip import IdleSkipper
 from bench.trace import TraceRequest, by_session, conversation
 
 ReplyMode = Literal["trace", "actual"]
@@ -74,6 +77,9 @@ class RunConfig:
     simulated benchmark within the CPU of a small machine."""
     sim_timing: bool = False
     """Ask a simulated replica for its simulated TTFT (``vllm_xargs.kvroute_sim_timing``)."""
+    clock_file: Path | None = None
+    """A clock warp file shared with the fleet (``aio.clock_warp``): the run skips the
+    fleet's idle time (``bench.idle_skip``).  ``None``: wall time throughout."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -88,7 +94,8 @@ class RequestResult:
     turn: int
     tenant: str | None
     scheduled_s: float
-    """When it should have been sent (wall seconds since the run started)."""
+    """When it should have been sent (wall seconds since the run started, the idle time
+    skipped included: ``bench.idle_skip``)."""
     sent_s: float
     status: int
     """HTTP status (0: no response)."""
@@ -150,9 +157,15 @@ class Runner:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self._http: aiohttp.ClientSession | None = None
+        self._warp: ClockWarp | None = None
+        self.clock = IdleSkipper()
+        """The run's clock (wall time, plus the idle time skipped with a clock file)."""
 
     async def __aenter__(self) -> Runner:
         cfg = self.config
+        if cfg.clock_file is not None:
+            self._warp = ClockWarp.open(cfg.clock_file)
+            self.clock = IdleSkipper(self._warp)
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=cfg.max_connections),
             timeout=aiohttp.ClientTimeout(
@@ -165,6 +178,10 @@ class Runner:
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._warp is not None:
+            self._warp.close()
+            self._warp = None
+            self.clock = IdleSkipper()
 
     async def run(
         self, trace: Sequence[TraceRequest], progress: ProgressFn | None = None
@@ -177,10 +194,13 @@ class Runner:
             if progress is not None:
                 progress(r)
 
-        t0 = time.perf_counter()
-        async with asyncio.TaskGroup() as tg:
-            for turns in by_session(trace).values():
-                tg.create_task(self._session(turns, t0, done))
+        t0 = self.clock.now()
+        async with asyncio.TaskGroup() as outer:
+            skipper = outer.create_task(self.clock.run())
+            async with asyncio.TaskGroup() as tg:
+                for turns in by_session(trace).values():
+                    tg.create_task(self._session(turns, t0, done))
+            skipper.cancel()
         return results
 
     async def _session(
@@ -190,14 +210,14 @@ class Runner:
         replies: list[str] = []
         use_actual = self.config.replies == "actual"
         messages_iter = conversation(turns, replies if use_actual else None)
+        clock = self.clock
         due = t0 + turns[0].at * scale
         for turn, messages in zip(turns, messages_iter, strict=False):
             if turn.turn > turns[0].turn:
-                due = time.perf_counter() + turn.think_s * scale
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            result, text = await self.send(turn, messages, scheduled=due - t0, t0=t0)
+                due = clock.now() + turn.think_s * scale
+            await clock.sleep_until(due)
+            with clock.busy():
+                result, text = await self.send(turn, messages, scheduled=due - t0, t0=t0)
             replies.append(text if result.ok else (turn.reply or ""))
             done(result)
 
@@ -235,17 +255,18 @@ class Runner:
         if self._http is None:
             raise RuntimeError("Runner must be entered (async with) before use")
         cfg = self.config
-        base = time.perf_counter() if t0 is None else t0
+        base = self.clock.now() if t0 is None else t0
         headers = {"Content-Type": "application/json", **cfg.headers, **(extra_headers or {})}
         if cfg.session_header:
             headers[cfg.session_header] = turn.session
-        started = time.perf_counter()
+        sent = self.clock.now()
+        started = time.perf_counter()  # durations: no time is skipped while in flight
         common: dict[str, Any] = {
             "session": turn.session,
             "turn": turn.turn,
             "tenant": turn.tenant,
             "scheduled_s": round(scheduled, 6),
-            "sent_s": round(started - base, 6),
+            "sent_s": round(sent - base, 6),
         }
         url = cfg.url.rstrip("/") + "/v1/chat/completions"
         try:

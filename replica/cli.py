@@ -40,6 +40,9 @@ def _register_sim(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated second (1 = real time, 0.01 = 100x "
                    "faster, 0 = virtual time, as fast as the CPU allows)")
+    p.add_argument("--clock-file", default=None,
+                   help="a benchmark's shared clock offset file (aio.clock_warp): the "
+                   "engine's clock moves with it while the benchmark skips idle time")
     p.add_argument("--seed", type=int, default=0, help="seeds the engine-side block hash")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step, as vLLM's flag (default: from the profile)")

@@ -48,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from aio.clock_warp import ClockWarp
 from aio.task_owner import TaskOwner
 from router.admin_server import serve_admin
 from router.builtin_plugins import builtin_policy_factories, builtin_services
@@ -84,9 +85,19 @@ class State(TypedDict):
     membership: Membership
 
 
-def _judgement_clock(clock: Callable[[], float], time_scale: float) -> Callable[[], float]:
+def _judgement_clock(
+    clock: Callable[[], float], time_scale: float, warp: ClockWarp | None = None
+) -> Callable[[], float]:
     """The clock of the policies and the proxy's timings: ``clock`` slowed down by
-    ``time_scale`` wall seconds per second (``RouterSettings.time_scale``)."""
+    ``time_scale`` wall seconds per second (``RouterSettings.time_scale``), moved forward
+    with a benchmark's skipped idle time (``RouterSettings.clock_file``)."""
+    if warp is not None:
+        offset = warp.offset
+
+        def warped() -> float:
+            return (clock() + offset()) / time_scale
+
+        return warped
     if time_scale == 1.0:
         return clock
 
@@ -158,7 +169,11 @@ def create_app(
             )
             await prober.probe_once()
             tasks.supervise(prober.run, name="health-prober")
-            judge = _judgement_clock(clock, settings.time_scale)
+            warp = None
+            if settings.clock_file is not None:
+                warp = ClockWarp.open(settings.clock_file)
+                stack.callback(warp.close)
+            judge = _judgement_clock(clock, settings.time_scale, warp)
             ctx = PolicyContext(
                 settings=settings, replicas=replicas, load=load, metrics=metrics,
                 http=session, tasks=tasks, clock=judge, rng=the_rng,

@@ -271,6 +271,11 @@ class RouterSettings(BaseSettings):
     provisional and placement windows) is in the replicas' time, like the configured
     prefill rate it is weighed against; network timeouts and health probes stay in
     wall seconds."""
+    clock_file: Path | None = None
+    """Benchmarks only: a shared clock offset file (``aio.clock_warp``) that a benchmark
+    moves forward while its simulated fleet is idle, skipping the wait for the trace's
+    next turn; the judgement clock (``time_scale``) moves with it, as the replicas'
+    clocks do.  ``None`` (the default) in front of real engines."""
     timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
     """Network timeouts."""
     health: HealthSettings = Field(default_factory=HealthSettings)

@@ -17,6 +17,9 @@ Contract:
   modelled (``Scheduler.schedule``).  A step that ends more than ``RESYNC_S`` of wall
   time late (a busy machine) puts the engine back on the wall clock: that time is lost,
   not compressed.
+* ``clock_file`` (a ``aio.clock_warp`` file, set by a benchmark) adds its offset to the
+  wall clock the engine reads: the benchmark moves it forward while the fleet is idle,
+  so the simulated clock skips the wait for the trace's next turn.
 * After each step the engine publishes that step's pool events as one batch through its
   ``EventSink`` (vLLM publishes one ``KVEventBatch`` per step that produced events),
   then wakes the requests that produced a token (``SimRequest.on_output``).
@@ -31,8 +34,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
+from aio.clock_warp import ClockWarp
 from replica.sim.block_pool import BlockPool, make_engine_hasher
 from replica.sim.offload import HostTier
 from replica.sim.pool_events import PoolEvent
@@ -76,6 +81,8 @@ class EngineConfig:
     """Host-tier capacity in blocks (0: no host tier)."""
     cpu_offload_bandwidth: float = 25e9
     """Host-to-GPU copy bandwidth in bytes/s (PCIe 5 x16 is ~50 GB/s raw, ~25 effective)."""
+    clock_file: str | None = None
+    """A benchmark's shared clock offset (``aio.clock_warp``; module docstring)."""
 
     def resolved_profile(self) -> Profile:
         """The timing profile named by ``profile``."""
@@ -123,6 +130,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._t0: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._warp = ClockWarp.open(Path(config.clock_file)) if config.clock_file else None
         self._virtual_now = 0.0
         self._reset_pending = False
 
@@ -136,8 +144,12 @@ class SimEngine:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         if self._t0 is None:
-            self._t0 = loop.time()
-        return (loop.time() - self._t0) / self.time_scale
+            self._t0 = self._wall(loop)
+        return (self._wall(loop) - self._t0) / self.time_scale
+
+    def _wall(self, loop: asyncio.AbstractEventLoop) -> float:
+        """The loop's clock plus the benchmark's skipped idle time (``clock_file``)."""
+        return loop.time() + self._warp.offset() if self._warp is not None else loop.time()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -182,7 +194,7 @@ class SimEngine:
         pool = self.pool
         loop = asyncio.get_running_loop()
         if self._t0 is None:
-            self._t0 = loop.time()
+            self._t0 = self._wall(loop)
         busy_until: float | None = None  # the last step's end, while steps run back to back
         while True:
             if not sched.has_work:
@@ -209,9 +221,9 @@ class SimEngine:
             else:
                 assert self._t0 is not None
                 due = self._t0 + end * self.time_scale  # the step's end on the wall clock
-                delay = due - loop.time()
+                delay = due - self._wall(loop)
                 await asyncio.sleep(delay if delay > 0 else 0)
-                busy_until = end if loop.time() - due < RESYNC_S else None
+                busy_until = end if self._wall(loop) - due < RESYNC_S else None
             outputs = sched.finish_step(plan, end)
             self.steps += 1
             events = pool.take_events()

@@ -37,6 +37,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_model_len=args.max_model_len,
         cpu_offload_blocks=args.cpu_offload_blocks,
         cpu_offload_bandwidth=args.cpu_offload_bandwidth,
+        clock_file=args.clock_file,
     )
     faults = Faults(
         hang=args.fault_hang,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
 
+from aio.clock_warp import ClockWarp
 from tests.router.conftest import StartFakes, StartRouter
 from tests.router.helpers import chat, measure_ttfb, scrape
 
@@ -194,3 +196,29 @@ async def test_time_scale_puts_the_routers_timings_in_the_replicas_time(
     total = sum(v for (name, _), v in samples.items()
                 if name == "router_request_duration_seconds_sum")
     assert 0.5 <= total < 5.0, total
+
+
+async def test_the_judgement_clock_moves_with_a_benchmarks_clock_warp(
+    fakes: StartFakes, start_router: StartRouter, client: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    # A benchmark skipping idle time moves the replicas' clocks and the router's together
+    # (``RouterSettings.clock_file``): a second skipped while this request waits is ten
+    # of the replicas' seconds at time scale 0.1, on top of the 50 ms it really waited.
+    warp = ClockWarp.create(tmp_path / "warp")
+    (fake,) = await fakes(1)
+    fake.behaviour.headers_delay_s = 0.05
+    url = await start_router([fake], time_scale=0.1, clock_file=warp.path)
+
+    async def skip_while_waiting() -> None:
+        await asyncio.sleep(0.02)
+        warp.advance(1.0)
+
+    skipping = asyncio.create_task(skip_while_waiting())
+    async with client.post(url + "/v1/chat/completions", json=chat()) as resp:
+        assert resp.status == 200
+    await skipping
+    samples = await scrape(client, url)
+    total = sum(v for (name, _), v in samples.items()
+                if name == "router_request_duration_seconds_sum")
+    assert 10.5 <= total < 15.0, total
