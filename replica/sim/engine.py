@@ -147,6 +147,11 @@ class SimEngine:
             self._t0 = self._wall(loop)
         return (self._wall(loop) - self._t0) / self.time_scale
 
+    def close(self) -> None:
+        """Unmap the clock file (``clock_file``), once ``run`` has stopped."""
+        if self._warp is not None:
+            self._warp.close()
+
     def _wall(self, loop: asyncio.AbstractEventLoop) -> float:
         """The loop's clock plus the benchmark's skipped idle time (``clock_file``)."""
         return loop.time() + self._warp.offset() if self._warp is not None else loop.time()

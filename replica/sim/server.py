@@ -131,6 +131,7 @@ class SimServer:
             # still be closed.
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.engine.close()
         if self.publisher is not None:
             await self.publisher.aclose()
 
