@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from bench.fleet import FleetError, wait_kv_live
+from tests.loopback_app import serve_app
 
 
 class ReadyEndpoint:
@@ -31,19 +32,10 @@ class ReadyEndpoint:
                                                                "sources": sources}})
 
 
-@contextlib.asynccontextmanager
-async def _serve(endpoint: ReadyEndpoint) -> AsyncIterator[str]:
+def _serve(endpoint: ReadyEndpoint) -> contextlib.AbstractAsyncContextManager[str]:
     app = web.Application()
     app.router.add_get("/ready", endpoint.ready)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return serve_app(app)
 
 
 @pytest.fixture

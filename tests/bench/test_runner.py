@@ -13,6 +13,7 @@ from aiohttp import web
 
 from bench.runner import RequestResult, RunConfig, Runner
 from bench.trace import TraceRequest
+from tests.loopback_app import serve_app
 
 
 class FakeEndpoint:
@@ -57,13 +58,8 @@ async def endpoint() -> AsyncIterator[tuple[str, FakeEndpoint]]:
     fake = FakeEndpoint()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}", fake
-    await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, fake
 
 
 def two_sessions() -> list[TraceRequest]:

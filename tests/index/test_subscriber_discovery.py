@@ -27,6 +27,7 @@ from index.subscriber import BindSubscriber, EventSource, SubscriberSettings
 from kvkeys.keys import block_keys
 from kvkeys.types import ReplicaId, replica_id_for_rank
 from replica.sim.kv_publisher import KVEventPublisher
+from tests.loopback_app import serve_app
 
 BS = 4
 FAST = SubscriberSettings(idle_poll_s=0.02, replay_timeout_s=0.3, replay_total_s=2.0)
@@ -148,15 +149,8 @@ async def fake_replica(sources: dict[str, Any] | None) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 async def test_discovery_from_replica_url_subscribes_every_dp_rank() -> None:
