@@ -12,6 +12,13 @@ gives each policy's median and range, and how often it cached more than the firs
 policy under the same naming: session affinity's figure moves a point or two with the
 assignment alone, so one naming cannot tell a better policy from a luckier ring.
 
+With ``--seeds A-B`` the generated workload is drawn once per seed and every seed runs
+every policy under every naming (``--jobs`` processes side by side): one table per pool
+size with each policy's mean over the seeds and, seed by seed against the first policy,
+how often it cached more and the mean difference with a 95% interval
+(``kvroute.replay.seeds``): a difference of a fraction of a point needs many seeds to
+be told from the draw.
+
 Workloads: the 64-conversation chat workload of ``kvroute bench compare`` (``--sessions``,
 ``--seed``; rendered with the tiny tokenizer's chat template), a chat trace
 (``--trace``), or a block-hash trace (``--hash-trace``: aiperf / Mooncake JSONL, scaled
@@ -46,6 +53,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     w.add_argument("--sessions", type=int, default=64,
                    help="conversations of the generated workload (without --trace)")
     w.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    w.add_argument("--seeds", default=None, metavar="SEEDS",
+                   help="several seeds of the generated workload (0-23, or 1,4,9): "
+                        "policies compared over them, paired seed by seed")
     w.add_argument("--block-tokens", type=int, default=64, help="tokens per hash id")
     w.add_argument("--time-compression", type=float, default=None,
                    help="hash trace: divide its times by this (default: 512 / block-tokens)")
@@ -70,6 +80,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="also compare every other policy with BASELINE turn by turn "
                         "(stay/move and reason, under the first naming; "
                         "kvroute.replay.breakdown)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --seeds: replay this many seeds at once, one process each")
     p.add_argument("--out", type=Path, default=None, help="JSON of every figure")
     p.set_defaults(func=_main)
 
@@ -85,19 +97,40 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
                           start_s=args.start_s, duration_s=args.duration_s)
         scaled = import_records(load_hash_trace(args.hash_trace), scale)
         return from_hash_trace(scaled, scale, 2000, max_tokens_cap=args.max_tokens)
+    if args.trace is None:
+        from kvroute.replay.seeds import workload
+
+        return workload(args.seed, _plan(args), model)
     from bench.trace import load
-    from bench.workload import generate, measure_tokens_per_word, preset
     from replica.vllm.tiny_tokenizer import build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="kvroute-replay-") as tmp:
         tok = build_tokenizer(Path(tmp), template="llama3")
-        if args.trace is not None:
-            trace = load(args.trace)
-        else:
-            tpw = measure_tokens_per_word(tok)
-            trace = generate(preset("main", sessions=args.sessions, seed=args.seed,
-                                    tokens_per_word=tpw))
-        return from_chat_trace(trace, tok, model=model, max_tokens_cap=args.max_tokens)
+        return from_chat_trace(load(args.trace), tok, model=model,
+                               max_tokens_cap=args.max_tokens)
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    from kvroute.replay.seeds import SeedPlan
+
+    return SeedPlan(
+        policies=tuple(p for p in args.policies.split(",") if p),
+        num_blocks=tuple(int(v) for v in args.num_blocks.split(",") if v.strip()),
+        namings=max(1, args.namings), sessions=args.sessions, max_tokens=args.max_tokens,
+        replicas=args.replicas, block_size=args.block_size, profile=args.profile,
+    )
+
+
+def _seeds(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    from kvroute.replay.seeds import format_seeds, parse_seeds, run_seeds
+
+    seeds = parse_seeds(args.seeds)
+    plan = _plan(args)
+    points = run_seeds(seeds, plan, jobs=args.jobs)
+    tables = [format_seeds(points, nb, plan.policies) for nb in plan.num_blocks]
+    return "\n\n".join(tables), [
+        {"seed": p.seed, "num_blocks": p.num_blocks, "naming": p.naming,
+         **p.figures.to_json()} for p in points]
 
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
@@ -157,7 +190,21 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    text, points = asyncio.run(_sweep(args))
+    if args.seeds is not None:
+        if args.trace is not None or args.hash_trace is not None or args.breakdown:
+            print("kvroute replay: --seeds draws the generated workload; it takes no "
+                  "--trace, --hash-trace or --breakdown", file=sys.stderr)
+            return 2
+        if args.jobs < 1:
+            print("kvroute replay: --jobs must be at least 1", file=sys.stderr)
+            return 2
+        try:
+            text, points = _seeds(args)
+        except ValueError as exc:
+            print(f"kvroute replay: --seeds: {exc}", file=sys.stderr)
+            return 2
+    else:
+        text, points = asyncio.run(_sweep(args))
     print(text)
     if args.out is not None:
         args.out.write_text(json.dumps({"points": points}, indent=2) + "\n")
