@@ -19,6 +19,10 @@ how often it cached more and the mean difference with a 95% interval
 (``kvroute.replay.seeds``): a difference of a fraction of a point needs many seeds to
 be told from the draw.
 
+A policy may carry changed scoring settings, ``kv/price_future=false``: it runs beside
+the others under that label (``kvroute.replay.policy_spec``), so what one term of the
+policy is worth is measured on the same workload and namings.
+
 Workloads: the 64-conversation chat workload of ``kvroute bench compare`` (``--sessions``,
 ``--seed``; rendered with the tiny tokenizer's chat template), a chat trace
 (``--trace``), or a block-hash trace (``--hash-trace``: aiperf / Mooncake JSONL, scaled
@@ -33,7 +37,11 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.replay.policy_spec import PolicySpec
+    from kvroute.replay.seeds import SeedPlan
 
 __all__ = ["register"]
 
@@ -72,7 +80,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     f.add_argument("--profile", default="llama-3.1-8b-h100",
                    help="timing profile of the simulated engine")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
-                   help="comma-separated policies to replay")
+                   help="comma-separated policies to replay; each may change scoring "
+                        "settings, kv/pool_headroom=false/future_weight=0.5 "
+                        "(kvroute.replay.policy_spec)")
     p.add_argument("--namings", type=int, default=1,
                    help="replay each policy under this many namings of the replicas "
                         "(hash assignments) and report medians and ranges")
@@ -110,11 +120,20 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
                                max_tokens_cap=args.max_tokens)
 
 
-def _plan(args: argparse.Namespace) -> Any:
+def _specs(args: argparse.Namespace) -> list[PolicySpec]:
+    from kvroute.replay.policy_spec import parse_policy
+
+    specs = [parse_policy(p) for p in args.policies.split(",") if p.strip()]
+    if not specs:
+        raise ValueError("no policies given")
+    return specs
+
+
+def _plan(args: argparse.Namespace) -> SeedPlan:
     from kvroute.replay.seeds import SeedPlan
 
     return SeedPlan(
-        policies=tuple(p for p in args.policies.split(",") if p),
+        policies=tuple(spec.label for spec in _specs(args)),
         num_blocks=tuple(int(v) for v in args.num_blocks.split(",") if v.strip()),
         namings=max(1, args.namings), sessions=args.sessions, max_tokens=args.max_tokens,
         replicas=args.replicas, block_size=args.block_size, profile=args.profile,
@@ -148,7 +167,8 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     base = ReplayConfig(replicas=args.replicas, block_size=args.block_size,
                         profile=args.profile)
     requests = _requests(args, base.model)
-    policies = [p for p in args.policies.split(",") if p]
+    specs = _specs(args)
+    policies = [spec.label for spec in specs]
     tables: list[str] = []
     points: list[dict[str, Any]] = []
     for nb in (int(v) for v in args.num_blocks.split(",") if v.strip()):
@@ -159,8 +179,9 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
             cfg = ReplayConfig(replicas=base.replicas, num_blocks=nb,
                                block_size=base.block_size, profile=base.profile,
                                naming=naming)
-            for policy in policies:
-                run = await replay_run(policy, requests, cfg)
+            for spec in specs:
+                policy = spec.label
+                run = await replay_run(spec.name, requests, spec.config(cfg))
                 served = run.served
                 if naming == 0:
                     by_policy[policy] = served
@@ -190,6 +211,11 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _main(args: argparse.Namespace) -> int:
+    try:
+        _specs(args)
+    except ValueError as exc:
+        print(f"kvroute replay: --policies: {exc}", file=sys.stderr)
+        return 2
     if args.seeds is not None:
         if args.trace is not None or args.hash_trace is not None or args.breakdown:
             print("kvroute replay: --seeds draws the generated workload; it takes no "

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.replay.loop import ReplayConfig, replay_run
+from kvroute.replay.policy_spec import parse_policy
 from kvroute.replay.requests import ReplayRequest, from_chat_trace
 from kvroute.replay.summary import RunFigures, figures
 
@@ -66,6 +67,7 @@ class SeedPlan:
     """What every seed runs: the workload's size and the fleets and policies."""
 
     policies: tuple[str, ...]
+    """Policy specs (``kvroute.replay.policy_spec``): a name, or a name with overrides."""
     num_blocks: tuple[int, ...]
     namings: int = 1
     sessions: int = 64
@@ -101,6 +103,7 @@ def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
 async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
     base = ReplayConfig(replicas=plan.replicas, block_size=plan.block_size,
                         profile=plan.profile)
+    specs = [parse_policy(p) for p in plan.policies]
     requests = workload(seed, plan, base.model)
     points = []
     for nb in plan.num_blocks:
@@ -108,9 +111,9 @@ async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
             cfg = ReplayConfig(replicas=plan.replicas, num_blocks=nb,
                                block_size=plan.block_size, profile=plan.profile,
                                naming=naming)
-            for policy in plan.policies:
-                run = await replay_run(policy, requests, cfg)
-                points.append(SeedPoint(seed, nb, naming, figures(policy, run.served)))
+            for spec in specs:
+                run = await replay_run(spec.name, requests, spec.config(cfg))
+                points.append(SeedPoint(seed, nb, naming, figures(spec.label, run.served)))
     return points
 
 
