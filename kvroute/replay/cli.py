@@ -126,6 +126,9 @@ def _specs(args: argparse.Namespace) -> list[PolicySpec]:
     specs = [parse_policy(p) for p in args.policies.split(",") if p.strip()]
     if not specs:
         raise ValueError("no policies given")
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"a policy is given twice: {args.policies}")
     return specs
 
 

@@ -73,3 +73,5 @@ def test_kvroute_replay_refuses_an_override_the_router_would_refuse(
 ) -> None:
     assert main(["replay", "--policies", "session,kv/pool_headroom=maybe"]) == 2
     assert "--policies: scoring override refused: pool_headroom" in capsys.readouterr().err
+    assert main(["replay", "--policies", "kv,session,kv"]) == 2
+    assert "--policies: a policy is given twice" in capsys.readouterr().err
