@@ -34,7 +34,13 @@ from pathlib import Path
 from kvroute.replay.loop import ReplayConfig, replay_run
 from kvroute.replay.policy_spec import parse_policy
 from kvroute.replay.requests import ReplayRequest, from_chat_trace
-from kvroute.replay.summary import RunFigures, figures
+from kvroute.replay.summary import (
+    RunFigures,
+    figures,
+    markdown_table,
+    percent,
+    signed_points,
+)
 
 __all__ = ["SeedPlan", "SeedPoint", "format_seeds", "mean_interval", "parse_seeds",
            "replay_seed", "run_seeds", "workload"]
@@ -180,7 +186,8 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
         cached = [c for c, _ in own.values()]
         p99s = [p for _, p in own.values() if p is not None]
         row = [str(num_blocks), policy, str(len(own)),
-               f"{_pct(statistics.fmean(cached))} [{_pct(min(cached))}-{_pct(max(cached))}]",
+               f"{percent(statistics.fmean(cached))} [{percent(min(cached))}-"
+               f"{percent(max(cached))}]",
                _ms_spread(p99s)]
         paired = [own[s][0] - first[s][0] for s in own if s in first]
         if policy == policies[0] or not paired:
@@ -189,17 +196,9 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
             mean, lo, hi = mean_interval(paired)
             ahead = sum(1 for d in paired if d > 0)
             row += [f"{ahead}/{len(paired)}",
-                    f"{_points(mean)} [{_points(lo)} to {_points(hi)}] points"]
+                    f"{signed_points(mean)} [{signed_points(lo)} to {signed_points(hi)}] points"]
         rows.append(row)
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def _points(x: float) -> str:
-    return f"{100 * x:+.2f}"
+    return markdown_table(rows)
 
 
 def _ms_spread(values: Sequence[float]) -> str:

@@ -28,6 +28,9 @@ __all__ = [
     "figures",
     "format_namings",
     "format_table",
+    "markdown_table",
+    "percent",
+    "signed_points",
 ]
 
 
@@ -141,8 +144,19 @@ def figures(
     )
 
 
-def _p(x: float | None) -> str:
+def percent(x: float | None) -> str:
+    """A share as a table cell: ``52.3%``, or ``-`` when unknown."""
     return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def signed_points(x: float) -> str:
+    """A difference of shares, in percentage points with its sign: ``+0.79``."""
+    return f"{100 * x:+.2f}"
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells (the head and its ``---`` rule first) as a Markdown table."""
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
 def _ms(x: float | None) -> str:
@@ -156,18 +170,19 @@ def format_table(label: str, runs: Sequence[RunFigures], bounds: Bounds | None) 
             "moved", "exact", "copies", "LRU less copies"]
     rows = [head, ["---"] * len(head)]
     for r in runs:
-        rows.append([label, r.policy, _p(r.cached_share), _p(r.of_pooled_lru), _p(r.of_optimal),
-                     _p(r.of_unbounded), _ms(r.ttft_p50_s), _ms(r.ttft_p99_s),
-                     _p(r.moved_share), _p(r.exact_share), _p(r.copies_share),
-                     _p(r.lru_less_copies)])
+        rows.append([label, r.policy, percent(r.cached_share), percent(r.of_pooled_lru),
+                     percent(r.of_optimal), percent(r.of_unbounded), _ms(r.ttft_p50_s),
+                     _ms(r.ttft_p99_s),
+                     percent(r.moved_share), percent(r.exact_share), percent(r.copies_share),
+                     percent(r.lru_less_copies)])
     if bounds is not None:
         for name, share in bounds.shares().items():
-            rows.append([label, f"bound: {name}", _p(share)] + ["-"] * (len(head) - 3))
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+            rows.append([label, f"bound: {name}", percent(share)] + ["-"] * (len(head) - 3))
+    return markdown_table(rows)
 
 
 def _spread(values: Sequence[float], fmt: str = "pct") -> str:
-    show = _p if fmt == "pct" else _ms
+    show = percent if fmt == "pct" else _ms
     if not values:
         return "-"
     return f"{show(statistics.median(values))} [{show(min(values))}-{show(max(values))}]"
@@ -191,17 +206,18 @@ def format_namings(
         p99s = [f.ttft_p99_s for f in figs if f.ttft_p99_s is not None]
         rows.append([
             label, policy, str(len(figs)), _spread([f.cached_share for f in figs]),
-            _p(_median([f.of_pooled_lru for f in figs])), _spread(p99s, "ms"),
-            _p(_median([f.moved_share for f in figs])), _p(_median([f.exact_share for f in figs])),
-            _p(_median([f.copies_share for f in figs])),
-            _p(_median([f.lru_less_copies for f in figs])),
+            percent(_median([f.of_pooled_lru for f in figs])), _spread(p99s, "ms"),
+            percent(_median([f.moved_share for f in figs])),
+            percent(_median([f.exact_share for f in figs])),
+            percent(_median([f.copies_share for f in figs])),
+            percent(_median([f.lru_less_copies for f in figs])),
             "-" if figs is first else f"{ahead}/{len(diffs)}",
             "-" if figs is first else _signed_points(diffs),
         ])
     if bounds is not None:
         for name, share in bounds.shares().items():
-            rows.append([label, f"bound: {name}", "-", _p(share)] + ["-"] * (len(head) - 4))
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+            rows.append([label, f"bound: {name}", "-", percent(share)] + ["-"] * (len(head) - 4))
+    return markdown_table(rows)
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -210,7 +226,5 @@ def _median(values: Sequence[float | None]) -> float | None:
 
 
 def _signed_points(diffs: Sequence[float]) -> str:
-    def pts(x: float) -> str:
-        return f"{100 * x:+.2f}"
-
-    return f"{pts(statistics.median(diffs))} [{pts(min(diffs))} to {pts(max(diffs))}] points"
+    return (f"{signed_points(statistics.median(diffs))} [{signed_points(min(diffs))} to "
+            f"{signed_points(max(diffs))}] points")
