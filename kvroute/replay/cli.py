@@ -17,7 +17,9 @@ every policy under every naming (``--jobs`` processes side by side): one table p
 size with each policy's mean over the seeds and, seed by seed against the first policy,
 how often it cached more and the mean difference with a 95% interval
 (``kvroute.replay.seeds``): a difference of a fraction of a point needs many seeds to
-be told from the draw.
+be told from the draw.  With ``--hash-trace`` and ``--duration-s`` the seeds are
+consecutive windows of the trace (seed ``k`` from ``--start-s`` + ``k`` x
+``--duration-s``).
 
 A policy may carry changed scoring settings, ``kv/price_future=false``: it runs beside
 the others under that label (``kvroute.replay.policy_spec``), so what one term of the
@@ -62,8 +64,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="conversations of the generated workload (without --trace)")
     w.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     w.add_argument("--seeds", default=None, metavar="SEEDS",
-                   help="several seeds of the generated workload (0-23, or 1,4,9): "
-                        "policies compared over them, paired seed by seed")
+                   help="several seeds of the generated workload (0-23, or 1,4,9), or "
+                        "with --hash-trace several windows of --duration-s each (seed k "
+                        "starts at --start-s + k * --duration-s): policies compared over "
+                        "them, paired seed by seed")
     w.add_argument("--block-tokens", type=int, default=64, help="tokens per hash id")
     w.add_argument("--time-compression", type=float, default=None,
                    help="hash trace: divide its times by this (default: 512 / block-tokens)")
@@ -106,7 +110,10 @@ def _requests(args: argparse.Namespace, model: str) -> list[Any]:
                           time_compression=args.time_compression,
                           start_s=args.start_s, duration_s=args.duration_s)
         scaled = import_records(load_hash_trace(args.hash_trace), scale)
-        return from_hash_trace(scaled, scale, 2000, max_tokens_cap=args.max_tokens)
+        from kvroute.replay.loop import ReplayConfig
+
+        return from_hash_trace(scaled, scale, ReplayConfig().vocab_size,
+                               max_tokens_cap=args.max_tokens)
     if args.trace is None:
         from kvroute.replay.seeds import workload
 
@@ -133,13 +140,22 @@ def _specs(args: argparse.Namespace) -> list[PolicySpec]:
 
 
 def _plan(args: argparse.Namespace) -> SeedPlan:
-    from kvroute.replay.seeds import SeedPlan
+    from kvroute.replay.seeds import SeedPlan, TraceWindows
 
+    windows = None
+    if args.hash_trace is not None and args.seeds is not None:
+        if args.duration_s is None:
+            raise ValueError("with --hash-trace, a seed is a window of the trace: "
+                             "give its length with --duration-s")
+        windows = TraceWindows(args.hash_trace, args.duration_s, start_s=args.start_s,
+                               block_tokens=args.block_tokens,
+                               time_compression=args.time_compression)
     return SeedPlan(
         policies=tuple(spec.label for spec in _specs(args)),
         num_blocks=tuple(int(v) for v in args.num_blocks.split(",") if v.strip()),
         namings=max(1, args.namings), sessions=args.sessions, max_tokens=args.max_tokens,
         replicas=args.replicas, block_size=args.block_size, profile=args.profile,
+        windows=windows,
     )
 
 
@@ -148,11 +164,13 @@ def _seeds(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
 
     seeds = parse_seeds(args.seeds)
     plan = _plan(args)
+    if plan.windows is not None:
+        plan.windows.check(seeds)
     points = run_seeds(seeds, plan, jobs=args.jobs)
     tables = [format_seeds(points, nb, plan.policies) for nb in plan.num_blocks]
     return "\n\n".join(tables), [
         {"seed": p.seed, "num_blocks": p.num_blocks, "naming": p.naming,
-         **p.figures.to_json()} for p in points]
+         **p.figures.to_json(), "pooled_lru": p.pooled_lru} for p in points]
 
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
@@ -220,16 +238,16 @@ def _main(args: argparse.Namespace) -> int:
         print(f"kvroute replay: --policies: {exc}", file=sys.stderr)
         return 2
     if args.seeds is not None:
-        if args.trace is not None or args.hash_trace is not None or args.breakdown:
-            print("kvroute replay: --seeds draws the generated workload; it takes no "
-                  "--trace, --hash-trace or --breakdown", file=sys.stderr)
+        if args.trace is not None or args.breakdown:
+            print("kvroute replay: --seeds draws the generated workload or windows of a "
+                  "--hash-trace; it takes no --trace or --breakdown", file=sys.stderr)
             return 2
         if args.jobs < 1:
             print("kvroute replay: --jobs must be at least 1", file=sys.stderr)
             return 2
         try:
             text, points = _seeds(args)
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:
             print(f"kvroute replay: --seeds: {exc}", file=sys.stderr)
             return 2
     else:

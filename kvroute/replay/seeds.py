@@ -15,8 +15,16 @@ seeds on which the policy cached more than the first, and the mean difference wi
 95% interval (a percentile bootstrap over the seeds, its random draws seeded: the same
 figures give the same interval).
 
+A block-hash trace (aiperf, Mooncake) has no seed: its draws are its windows.  With
+``TraceWindows``, seed ``k`` is the trace from ``start_s + k * duration_s`` for
+``duration_s`` trace seconds (each window imported as ``kvroute replay --hash-trace
+--start-s --duration-s`` imports it: a conversation that began before its window starts
+there cold), so the seeds are consecutive, non-overlapping stretches of the same
+traffic and the table says whether a difference holds through the trace or only in
+one stretch of it.
+
 Seeds are independent, so ``jobs`` processes replay them side by side; each process
-renders its seeds' workload itself.  The figures do not depend on ``jobs``.
+renders (or imports) its seeds' workload itself.  The figures do not depend on ``jobs``.
 """
 
 from __future__ import annotations
@@ -30,20 +38,25 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvroute.replay.loop import ReplayConfig, replay_run
 from kvroute.replay.policy_spec import parse_policy
-from kvroute.replay.requests import ReplayRequest, from_chat_trace
+from kvroute.replay.requests import ReplayRequest, from_chat_trace, from_hash_trace
 from kvroute.replay.summary import (
     RunFigures,
     figures,
     markdown_table,
     percent,
+    pooled_lru_share,
     signed_points,
 )
 
-__all__ = ["SeedPlan", "SeedPoint", "format_seeds", "mean_interval", "parse_seeds",
-           "replay_seed", "run_seeds", "workload"]
+__all__ = ["SeedPlan", "SeedPoint", "TraceWindows", "format_seeds", "mean_interval",
+           "parse_seeds", "replay_seed", "run_seeds", "workload"]
+
+if TYPE_CHECKING:
+    from bench.hashtrace import HashScale
 
 BOOTSTRAP_DRAWS = 10_000
 """Resamples of the seeds behind the interval of a mean difference."""
@@ -69,6 +82,50 @@ def parse_seeds(spec: str) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
+class TraceWindows:
+    """A block-hash trace whose windows are the seeds (module docstring)."""
+
+    path: Path
+    duration_s: float
+    """Trace seconds per window."""
+    start_s: float = 0.0
+    """Where window 0 starts, in trace seconds."""
+    block_tokens: int = 64
+    """Tokens each hash id becomes (``bench.hashtrace.HashScale``)."""
+    time_compression: float | None = None
+    """Trace seconds per replayed second (``None``: ``HashScale``'s default)."""
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0 or self.start_s < 0:
+            raise ValueError("trace windows need a duration above 0 and a start of at least 0")
+
+    def scale(self, seed: int) -> HashScale:
+        """How window ``seed`` is imported."""
+        from bench.hashtrace import HashScale
+
+        return HashScale(block_tokens=self.block_tokens,
+                         time_compression=self.time_compression,
+                         start_s=self.start_s + seed * self.duration_s,
+                         duration_s=self.duration_s)
+
+    def check(self, seeds: Sequence[int]) -> None:
+        """Refuse seeds whose window starts after the trace's last request."""
+        from bench.hashtrace import load_hash_trace
+
+        records = load_hash_trace(self.path)
+        if not records:
+            raise ValueError(f"{self.path} holds no requests")
+        end_s = max(r.timestamp_ms for r in records) / 1000.0
+        late = [s for s in seeds if self.scale(s).start_s > end_s]
+        if late:
+            raise ValueError(
+                f"window {late[0]} starts at {self.scale(late[0]).start_s:g} s, after the "
+                f"trace's last request ({end_s:g} s): at most "
+                f"{int((end_s - self.start_s) // self.duration_s) + 1} windows of "
+                f"{self.duration_s:g} s from {self.start_s:g} s")
+
+
+@dataclass(frozen=True, slots=True)
 class SeedPlan:
     """What every seed runs: the workload's size and the fleets and policies."""
 
@@ -81,6 +138,9 @@ class SeedPlan:
     replicas: int = 4
     block_size: int = 16
     profile: str = "llama-3.1-8b-h100"
+    windows: TraceWindows | None = None
+    """A block-hash trace cut into windows, one per seed, instead of the generated
+    workload."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +151,17 @@ class SeedPoint:
     num_blocks: int
     naming: int
     figures: RunFigures
+    pooled_lru: float
+    """The pooled LRU bound's cached share over this run's requests, in the order they
+    arrived (``summary.pooled_lru_share``)."""
 
 
 def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
     """The generated chat workload of ``seed`` (``kvroute bench compare``'s), rendered
-    with the tiny tokenizer's chat template."""
+    with the tiny tokenizer's chat template; with ``plan.windows``, window ``seed`` of
+    the trace."""
+    if plan.windows is not None:
+        return _window(seed, plan.windows, plan.max_tokens)
     from bench.workload import generate, measure_tokens_per_word, preset
     from replica.vllm.tiny_tokenizer import build_tokenizer
 
@@ -104,6 +170,15 @@ def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
         trace = generate(preset("main", sessions=plan.sessions, seed=seed,
                                 tokens_per_word=measure_tokens_per_word(tok)))
         return from_chat_trace(trace, tok, model=model, max_tokens_cap=plan.max_tokens)
+
+
+def _window(seed: int, windows: TraceWindows,
+            max_tokens: int | None) -> list[ReplayRequest]:
+    from bench.hashtrace import import_records, load_hash_trace
+
+    scale = windows.scale(seed)
+    scaled = import_records(load_hash_trace(windows.path), scale)
+    return from_hash_trace(scaled, scale, ReplayConfig().vocab_size, max_tokens_cap=max_tokens)
 
 
 async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
@@ -119,7 +194,8 @@ async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
                                naming=naming)
             for spec in specs:
                 run = await replay_run(spec.name, requests, spec.config(cfg))
-                points.append(SeedPoint(seed, nb, naming, figures(spec.label, run.served)))
+                points.append(SeedPoint(seed, nb, naming, figures(spec.label, run.served),
+                                        pooled_lru_share(run.served, requests, cfg)))
     return points
 
 
@@ -155,6 +231,16 @@ def mean_interval(values: Sequence[float], *, draws: int = BOOTSTRAP_DRAWS,
     return mean, means[int(0.025 * draws)], means[min(draws - 1, int(0.975 * draws))]
 
 
+def _bound_by_seed(points: Sequence[SeedPoint], num_blocks: int, policy: str) -> list[float]:
+    """Per seed, the median over its namings of the pooled LRU bound of ``policy``'s
+    runs."""
+    lru: dict[int, list[float]] = {}
+    for p in points:
+        if p.num_blocks == num_blocks and p.figures.policy == policy:
+            lru.setdefault(p.seed, []).append(p.pooled_lru)
+    return [statistics.median(v) for v in lru.values()]
+
+
 def _by_seed(points: Sequence[SeedPoint], num_blocks: int,
              policy: str) -> dict[int, tuple[float, float | None]]:
     """Seed -> (median cached share, median TTFT p99) over its namings."""
@@ -174,7 +260,7 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
     """A Markdown table for one pool size (module docstring): per policy, the seeds,
     the mean and range of its cached share, the median and range of its TTFT p99, and
     against the first policy the seeds it is ahead on and the mean paired difference
-    with its 95% interval."""
+    with its 95% interval; last, the pooled LRU bound over the first policy's runs."""
     head = ["pool", "policy", "seeds", "cached, mean [range]", "TTFT p99, median [range]",
             "ahead of first", "difference, mean [95% interval]"]
     rows = [head, ["---"] * len(head)]
@@ -198,6 +284,11 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
             row += [f"{ahead}/{len(paired)}",
                     f"{signed_points(mean)} [{signed_points(lo)} to {signed_points(hi)}] points"]
         rows.append(row)
+    lru = _bound_by_seed(points, num_blocks, policies[0]) if policies else []
+    if lru:
+        rows.append([str(num_blocks), f"bound: pooled LRU ({policies[0]}'s order)",
+                     str(len(lru)), f"{percent(statistics.fmean(lru))} [{percent(min(lru))}-"
+                     f"{percent(max(lru))}]", "-", "-", "-"])
     return markdown_table(rows)
 
 

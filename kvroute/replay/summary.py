@@ -30,6 +30,7 @@ __all__ = [
     "format_table",
     "markdown_table",
     "percent",
+    "pooled_lru_share",
     "signed_points",
 ]
 
@@ -101,6 +102,18 @@ def bounds_of(
     """The cache bounds over the requests served, in the order they arrived."""
     return cache_bounds(_arrived(served, requests), block_size=cfg.block_size,
                         capacity=_capacity(cfg), model=cfg.model)
+
+
+def pooled_lru_share(
+    served: Sequence[Served], requests: Sequence[ReplayRequest], cfg: ReplayConfig
+) -> float:
+    """The share of the prompt tokens served that one LRU cache of the fleet's capacity
+    serves from cache, in the order they arrived (``bounds_of``'s pooled LRU alone)."""
+    arrived = _arrived(served, requests)
+    prompt = sum(len(r.tokens) for r in arrived)
+    saved = pooled_lru_saved(arrived, block_size=cfg.block_size, capacity=_capacity(cfg),
+                             model=cfg.model)
+    return saved / prompt if prompt else 0.0
 
 
 def copies_of(run: ReplayRun, requests: Sequence[ReplayRequest], cfg: ReplayConfig) -> Copies:

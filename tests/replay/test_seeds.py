@@ -12,6 +12,8 @@ import pytest
 from kvroute.cli import main
 from kvroute.replay.seeds import mean_interval, parse_seeds
 
+SLICE = Path(__file__).parents[1] / "bench" / "data" / "mooncake_conversation_head300.jsonl"
+
 
 def test_seeds_are_read_from_ranges_and_lists_once_each() -> None:
     assert parse_seeds("0-3") == [0, 1, 2, 3]
@@ -78,16 +80,66 @@ def test_kvroute_replay_over_seeds_pairs_the_policies_seed_by_seed(
     assert again == points
 
 
-@pytest.mark.parametrize("extra", [
-    ["--hash-trace", "trace.jsonl"],
-    ["--breakdown", "session"],
-    ["--jobs", "0"],
+def _trace_args(*extra: str) -> list[str]:
+    return ["replay", "--hash-trace", str(SLICE), "--max-tokens", "8", "--num-blocks", "512",
+            "--policies", "session,kv", *extra]
+
+
+def test_the_seeds_of_a_hash_trace_are_its_windows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "windows.json"
+    assert main(_trace_args("--seeds", "0-2", "--duration-s", "30", "--start-s", "5",
+                            "--out", str(out))) == 0
+    text = capsys.readouterr().out
+    points = json.loads(out.read_text())["points"]
+    assert [(p["seed"], p["policy"]) for p in points] == [
+        (s, policy) for s in range(3) for policy in ("session", "kv")]
+    assert "| 512 | kv | 3 |" in text
+    # Window k is the trace from 5 + 30k s for 30 s: the figures of that window
+    # replayed on its own.
+    for seed in range(3):
+        one = tmp_path / f"window-{seed}.json"
+        assert main(_trace_args("--start-s", str(5 + 30 * seed), "--duration-s", "30",
+                                "--out", str(one))) == 0
+        alone = {p["policy"]: p for p in json.loads(one.read_text())["points"]}
+        for p in (p for p in points if p["seed"] == seed):
+            assert p["prompt_tokens"] == alone[p["policy"]]["prompt_tokens"] > 0
+            assert p["cached_share"] == alone[p["policy"]]["cached_share"]
+    assert len({p["prompt_tokens"] for p in points if p["policy"] == "kv"}) == 3
+    # The table's last row: the pooled LRU bound over session's runs, seed by seed.
+    lru = [p["pooled_lru"] for p in points if p["policy"] == "session"]
+    assert all(0 < v <= 1 for v in lru)
+    row = next(line for line in text.splitlines() if "bound: pooled LRU" in line)
+    assert row.startswith("| 512 | bound: pooled LRU (session's order) | 3 |")
+    assert f"{100 * statistics.fmean(lru):.1f}% [{100 * min(lru):.1f}%-" in row
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--hash-trace", "trace.jsonl"], "--duration-s"),
+    (["--hash-trace", "missing.jsonl", "--duration-s", "60"], "missing.jsonl"),
+    (["--hash-trace", str(SLICE), "--duration-s", "30", "--start-s", "-1"], "start"),
+    (["--trace", "trace.jsonl"], "--trace"),
+    (["--breakdown", "session"], "--breakdown"),
+    (["--jobs", "0"], "--jobs"),
 ])
 def test_kvroute_replay_refuses_seeds_with_what_they_do_not_take(
-    extra: list[str], capsys: pytest.CaptureFixture[str]
+    extra: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["replay", "--seeds", "0-1", *extra]) == 2
-    assert "kvroute replay:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("kvroute replay:")
+    assert says in err
+
+
+def test_kvroute_replay_refuses_windows_past_the_end_of_the_trace(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The slice's last request is at 102 s: windows of 30 s from 0 go up to seed 3.
+    assert main(_trace_args("--seeds", "2-4", "--duration-s", "30")) == 2
+    err = capsys.readouterr().err
+    assert "window 4 starts at 120 s" in err
+    assert "at most 4 windows of 30 s" in err
 
 
 def test_kvroute_replay_refuses_seeds_it_cannot_read(
