@@ -170,7 +170,8 @@ def _seeds(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
     tables = [format_seeds(points, nb, plan.policies) for nb in plan.num_blocks]
     return "\n\n".join(tables), [
         {"seed": p.seed, "num_blocks": p.num_blocks, "naming": p.naming,
-         **p.figures.to_json(), "pooled_lru": p.pooled_lru} for p in points]
+         **p.figures.to_json(), "pooled_lru": p.pooled_lru,
+         "lru_less_copies": p.lru_less_copies} for p in points]
 
 
 async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:

@@ -45,6 +45,7 @@ from kvroute.replay.policy_spec import parse_policy
 from kvroute.replay.requests import ReplayRequest, from_chat_trace, from_hash_trace
 from kvroute.replay.summary import (
     RunFigures,
+    copies_of,
     figures,
     markdown_table,
     percent,
@@ -154,6 +155,10 @@ class SeedPoint:
     pooled_lru: float
     """The pooled LRU bound's cached share over this run's requests, in the order they
     arrived (``summary.pooled_lru_share``)."""
+    lru_less_copies: float
+    """The same with the fleet's capacity less the copies this run's pools held
+    (``summary.copies_of``): for a policy that never moves a conversation, the copies
+    of the prefixes every replica serving them must hold."""
 
 
 def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
@@ -195,7 +200,8 @@ async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
             for spec in specs:
                 run = await replay_run(spec.name, requests, spec.config(cfg))
                 points.append(SeedPoint(seed, nb, naming, figures(spec.label, run.served),
-                                        pooled_lru_share(run.served, requests, cfg)))
+                                        pooled_lru_share(run.served, requests, cfg),
+                                        copies_of(run, requests, cfg).pooled_lru_less))
     return points
 
 
@@ -231,13 +237,15 @@ def mean_interval(values: Sequence[float], *, draws: int = BOOTSTRAP_DRAWS,
     return mean, means[int(0.025 * draws)], means[min(draws - 1, int(0.975 * draws))]
 
 
-def _bound_by_seed(points: Sequence[SeedPoint], num_blocks: int, policy: str) -> list[float]:
+def _bound_by_seed(points: Sequence[SeedPoint], num_blocks: int, policy: str,
+                   *, less_copies: bool = False) -> list[float]:
     """Per seed, the median over its namings of the pooled LRU bound of ``policy``'s
-    runs."""
+    runs (``less_copies``: the bound less the copies those runs held)."""
     lru: dict[int, list[float]] = {}
     for p in points:
         if p.num_blocks == num_blocks and p.figures.policy == policy:
-            lru.setdefault(p.seed, []).append(p.pooled_lru)
+            lru.setdefault(p.seed, []).append(p.lru_less_copies if less_copies
+                                              else p.pooled_lru)
     return [statistics.median(v) for v in lru.values()]
 
 
@@ -260,7 +268,8 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
     """A Markdown table for one pool size (module docstring): per policy, the seeds,
     the mean and range of its cached share, the median and range of its TTFT p99, and
     against the first policy the seeds it is ahead on and the mean paired difference
-    with its 95% interval; last, the pooled LRU bound over the first policy's runs."""
+    with its 95% interval; last, the pooled LRU bound over the first policy's runs, and
+    that bound less the copies of blocks those runs held."""
     head = ["pool", "policy", "seeds", "cached, mean [range]", "TTFT p99, median [range]",
             "ahead of first", "difference, mean [95% interval]"]
     rows = [head, ["---"] * len(head)]
@@ -284,11 +293,13 @@ def format_seeds(points: Sequence[SeedPoint], num_blocks: int,
             row += [f"{ahead}/{len(paired)}",
                     f"{signed_points(mean)} [{signed_points(lo)} to {signed_points(hi)}] points"]
         rows.append(row)
-    lru = _bound_by_seed(points, num_blocks, policies[0]) if policies else []
-    if lru:
-        rows.append([str(num_blocks), f"bound: pooled LRU ({policies[0]}'s order)",
-                     str(len(lru)), f"{percent(statistics.fmean(lru))} [{percent(min(lru))}-"
-                     f"{percent(max(lru))}]", "-", "-", "-"])
+    for label, less in ((f"bound: pooled LRU ({policies[0]}'s order)", False),
+                        (f"bound: pooled LRU less {policies[0]}'s copies", True)):
+        lru = _bound_by_seed(points, num_blocks, policies[0], less_copies=less)
+        if lru:
+            rows.append([str(num_blocks), label, str(len(lru)),
+                         f"{percent(statistics.fmean(lru))} [{percent(min(lru))}-"
+                         f"{percent(max(lru))}]", "-", "-", "-"])
     return markdown_table(rows)
 
 

@@ -110,9 +110,14 @@ def test_the_seeds_of_a_hash_trace_are_its_windows(
     # The table's last row: the pooled LRU bound over session's runs, seed by seed.
     lru = [p["pooled_lru"] for p in points if p["policy"] == "session"]
     assert all(0 < v <= 1 for v in lru)
-    row = next(line for line in text.splitlines() if "bound: pooled LRU" in line)
+    row = next(line for line in text.splitlines() if "bound: pooled LRU (" in line)
     assert row.startswith("| 512 | bound: pooled LRU (session's order) | 3 |")
     assert f"{100 * statistics.fmean(lru):.1f}% [{100 * min(lru):.1f}%-" in row
+    # And that bound less the copies session's pools held: never above it.
+    less = [p["lru_less_copies"] for p in points if p["policy"] == "session"]
+    assert all(0 < v <= w for v, w in zip(less, lru, strict=True))
+    row = next(line for line in text.splitlines() if "less session's copies" in line)
+    assert f"| 3 | {100 * statistics.fmean(less):.1f}% [{100 * min(less):.1f}%-" in row
 
 
 @pytest.mark.parametrize(("extra", "says"), [
