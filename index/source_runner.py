@@ -11,7 +11,11 @@ the interface notes):
   request of the router up for as long (seconds, after a few prefix-cache resets).
 * A live ``seq`` more than one past the last applied is a **gap**: replay from
   ``last + 1`` over a DEALER (``[b"", seq8]``; replies ``[b"", topic, seq8, payload]``
-  (0.28+) or ``[b"", seq8, payload]``, ending with an empty last frame).  If the first
+  (0.28+) or ``[b"", seq8, payload]``, ending with an empty last frame).  With nothing
+  applied since the last clear (the start's replay found nothing, or failed because
+  the engine was not up yet), a first live ``seq`` above 0 is a gap from 0 where the
+  source has a replay endpoint: the engine's first batches were lost to the PUB
+  socket's slow joining.  If the first
   replayed seq is later than asked, history was lost: clear and rebuild from what is
   retained.  If replay fails or there is no replay endpoint: clear and let the replica
   repopulate.
@@ -265,16 +269,22 @@ class SourceRunner:
             return
         self._live_last = seq
         await self._maybe_recover()
+        if self.last_seq is not None and seq <= self.last_seq:
+            return  # already applied through replay
+        # With nothing applied since the last clear, the batches before this one are
+        # unknown: the engine counts from 0, so a first seq above 0 is a gap from 0
+        # (where there is a replay to fill it).
         if self.last_seq is not None:
-            if seq <= self.last_seq:
-                return  # already applied through replay
-            if seq > self.last_seq + 1:
-                self._set(gaps=self._status.gaps + 1)
-                if self._obs is not None:
-                    self._obs.gap(self.source.replica)
-                await self._replay(self.last_seq + 1, seq - 1)
-                if self.last_seq is not None and seq <= self.last_seq:
-                    return
+            expected = self.last_seq + 1
+        else:
+            expected = 0 if self.source.replay_endpoint is not None else seq
+        if seq > expected:
+            self._set(gaps=self._status.gaps + 1)
+            if self._obs is not None:
+                self._obs.gap(self.source.replica)
+            await self._replay(expected, seq - 1)
+            if self.last_seq is not None and seq <= self.last_seq:
+                return
         await self._apply(seq, payload, recv_wall)
 
     # ------------------------------------------------------------------ internals

@@ -254,6 +254,34 @@ async def test_gap_is_filled_by_replay() -> None:
         assert r.sub.status.resyncs == 0
 
 
+async def test_a_first_batch_lost_live_is_replayed() -> None:
+    # The start's replay found an empty buffer, so nothing is applied yet; the engine's
+    # first batch then misses the subscriber (a PUB socket drops what it sends before
+    # the subscription reaches it): the next batch's seq 1 is a gap from 0.
+    async with rig() as r:
+        assert r.sub.status.last_seq is None
+        r.pub.drop_next(1)
+        await r.publish(store(1))  # seq 0: never sent live
+        seq = await r.publish(store(2))
+        await r.applied_through(seq)
+        assert [await held(r.index, s) for s in (1, 2)] == [3, 3]
+        assert r.sub.status.gaps == 1 and r.obs.gaps == 1
+        assert r.sub.status.resyncs == 0
+
+
+async def test_without_a_replay_a_first_batch_lost_live_stays_lost_quietly() -> None:
+    # Nothing to fill the gap with, and nothing applied to clear: the batch that arrives
+    # is applied, and no gap or resync is counted (a router starting beside a running
+    # engine without a replay socket sees this every time).
+    async with rig(replay=False) as r:
+        r.pub.drop_next(1)
+        await r.publish(store(1))
+        seq = await r.publish(store(2))
+        await r.applied_through(seq)
+        assert [await held(r.index, s) for s in (1, 2)] == [0, 3]
+        assert r.sub.status.gaps == 0 and r.sub.status.resyncs == 0
+
+
 async def test_gap_with_legacy_encoding_and_replay_format() -> None:
     async with rig(legacy=True) as r:
         await r.publish(store(1))
