@@ -15,10 +15,9 @@ the interface notes):
   applied since the last clear (the start's replay found nothing, or failed because
   the engine was not up yet), a first live ``seq`` above 0 is a gap from 0 where the
   source has a replay endpoint: the engine's first batches were lost to the PUB
-  socket's slow joining.  If the first
-  replayed seq is later than asked, history was lost: clear and rebuild from what is
-  retained.  If replay fails or there is no replay endpoint: clear and let the replica
-  repopulate.
+  socket's slow joining.  If the first replayed seq is later than asked, history was
+  lost: clear and rebuild from what is retained.  If replay fails or there is no
+  replay endpoint: clear and let the replica repopulate.
 * A live ``seq`` at or below the last *live* one means the engine restarted (vLLM starts
   from 0 and sends no ``AllBlocksCleared``): clear, then replay from 0.  Live messages
   already applied through replay are ignored.
