@@ -101,19 +101,17 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _requests(args: argparse.Namespace, model: str) -> list[Any]:
-    from kvroute.replay.requests import from_chat_trace, from_hash_trace
+    from kvroute.replay.requests import from_chat_trace, load_hash_requests
 
     if args.hash_trace is not None:
-        from bench.hashtrace import HashScale, import_records, load_hash_trace
+        from bench.hashtrace import HashScale
+        from kvroute.replay.loop import ReplayConfig
 
         scale = HashScale(block_tokens=args.block_tokens,
                           time_compression=args.time_compression,
                           start_s=args.start_s, duration_s=args.duration_s)
-        scaled = import_records(load_hash_trace(args.hash_trace), scale)
-        from kvroute.replay.loop import ReplayConfig
-
-        return from_hash_trace(scaled, scale, ReplayConfig().vocab_size,
-                               max_tokens_cap=args.max_tokens)
+        return load_hash_requests(args.hash_trace, scale, ReplayConfig().vocab_size,
+                                  max_tokens_cap=args.max_tokens)
     if args.trace is None:
         from kvroute.replay.seeds import workload
 

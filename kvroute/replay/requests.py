@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.hashtrace import HashScale, ScaledRequest, token_ids
+from bench.hashtrace import HashScale, ScaledRequest, import_records, load_hash_trace, token_ids
 from bench.trace import TraceRequest, by_session, conversation
 
-__all__ = ["ReplayRequest", "from_chat_trace", "from_hash_trace"]
+__all__ = ["ReplayRequest", "from_chat_trace", "from_hash_trace", "load_hash_requests"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +75,12 @@ def from_hash_trace(
             max_tokens=min(r.output_tokens, cap),
         ))
     return out
+
+
+def load_hash_requests(
+    path: Path, scale: HashScale, vocab_size: int, *, max_tokens_cap: int | None = None
+) -> list[ReplayRequest]:
+    """``from_hash_trace`` of the block-hash trace at ``path``, windowed and scaled by
+    ``scale`` (``bench.hashtrace.import_records``)."""
+    return from_hash_trace(import_records(load_hash_trace(path), scale), scale, vocab_size,
+                           max_tokens_cap=max_tokens_cap)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.replay.loop import ReplayConfig, replay_run
 from kvroute.replay.policy_spec import parse_policy
-from kvroute.replay.requests import ReplayRequest, from_chat_trace, from_hash_trace
+from kvroute.replay.requests import ReplayRequest, from_chat_trace, load_hash_requests
 from kvroute.replay.summary import (
     RunFigures,
     copies_of,
@@ -166,7 +166,8 @@ def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
     with the tiny tokenizer's chat template; with ``plan.windows``, window ``seed`` of
     the trace."""
     if plan.windows is not None:
-        return _window(seed, plan.windows, plan.max_tokens)
+        return load_hash_requests(plan.windows.path, plan.windows.scale(seed),
+                                  ReplayConfig().vocab_size, max_tokens_cap=plan.max_tokens)
     from bench.workload import generate, measure_tokens_per_word, preset
     from replica.vllm.tiny_tokenizer import build_tokenizer
 
@@ -175,15 +176,6 @@ def workload(seed: int, plan: SeedPlan, model: str) -> list[ReplayRequest]:
         trace = generate(preset("main", sessions=plan.sessions, seed=seed,
                                 tokens_per_word=measure_tokens_per_word(tok)))
         return from_chat_trace(trace, tok, model=model, max_tokens_cap=plan.max_tokens)
-
-
-def _window(seed: int, windows: TraceWindows,
-            max_tokens: int | None) -> list[ReplayRequest]:
-    from bench.hashtrace import import_records, load_hash_trace
-
-    scale = windows.scale(seed)
-    scaled = import_records(load_hash_trace(windows.path), scale)
-    return from_hash_trace(scaled, scale, ReplayConfig().vocab_size, max_tokens_cap=max_tokens)
 
 
 async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:

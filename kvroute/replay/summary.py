@@ -104,29 +104,34 @@ def bounds_of(
                         capacity=_capacity(cfg), model=cfg.model)
 
 
+def _lru_share(
+    served: Sequence[Served], requests: Sequence[ReplayRequest], cfg: ReplayConfig,
+    capacity: int,
+) -> float:
+    """The share of the prompt tokens served that one LRU cache of ``capacity`` blocks
+    serves from cache, in the order they arrived."""
+    arrived = _arrived(served, requests)
+    prompt = sum(len(r.tokens) for r in arrived)
+    saved = pooled_lru_saved(arrived, block_size=cfg.block_size, capacity=capacity,
+                             model=cfg.model)
+    return saved / prompt if prompt else 0.0
+
+
 def pooled_lru_share(
     served: Sequence[Served], requests: Sequence[ReplayRequest], cfg: ReplayConfig
 ) -> float:
     """The share of the prompt tokens served that one LRU cache of the fleet's capacity
     serves from cache, in the order they arrived (``bounds_of``'s pooled LRU alone)."""
-    arrived = _arrived(served, requests)
-    prompt = sum(len(r.tokens) for r in arrived)
-    saved = pooled_lru_saved(arrived, block_size=cfg.block_size, capacity=_capacity(cfg),
-                             model=cfg.model)
-    return saved / prompt if prompt else 0.0
+    return _lru_share(served, requests, cfg, _capacity(cfg))
 
 
 def copies_of(run: ReplayRun, requests: Sequence[ReplayRequest], cfg: ReplayConfig) -> Copies:
     """What the copies ``run``'s pools held cost it, against one pooled LRU cache of the
     fleet's capacity less them (module docstring)."""
     capacity = _capacity(cfg)
-    arrived = _arrived(run.served, requests)
-    prompt = sum(len(r.tokens) for r in arrived)
     less = max(1, round(capacity - run.mean_copies))
-    saved = pooled_lru_saved(arrived, block_size=cfg.block_size, capacity=less,
-                             model=cfg.model)
     return Copies(share=run.mean_copies / capacity,
-                  pooled_lru_less=saved / prompt if prompt else 0.0)
+                  pooled_lru_less=_lru_share(run.served, requests, cfg, less))
 
 
 def figures(
