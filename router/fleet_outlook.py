@@ -89,7 +89,7 @@ class OutlookSettings:
     """Charge the wait for pool space (term 3)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class OutlookTerms:
     """The look ahead's forecasts for one candidate of the latest decision (what
     ``price`` added to its score, before weighing): for ``/debug/route`` and the

@@ -47,7 +47,7 @@ class ChoiceRules:
     balance_rel: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class Choice:
     """Ordered replicas (the first is chosen), the reason, and the fallback taken."""
 

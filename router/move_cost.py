@@ -63,7 +63,7 @@ MAX_BUSY = 0.95
 """The largest busy share used: ``rho / (1 - rho)`` stays finite (19)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class FleetState:
     """What the move cost reads of one replica."""
 

@@ -49,7 +49,7 @@ __all__ = ["ReplicaView", "SessionTail"]
 _NO_HIT = ReplicaHit()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class SessionTail:
     """The previous turn's blocks on the replica it went to (``scoring.ReplicaInput``'s
     ``tail_*`` fields)."""

@@ -99,7 +99,7 @@ class Freshness:
     """Calibration from receipts in ``[0, 1]``: how much of predicted hits came true."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class LoadTerms:
     """The load terms of the score, in the units the weights expect."""
 
@@ -113,7 +113,7 @@ class LoadTerms:
     """False when neither own accounting nor a fresh scrape said anything."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class ReplicaInput:
     """Everything the score of one replica depends on."""
 
@@ -166,7 +166,7 @@ class ScoringWeights:
     reset_window_s: float = 10.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class ReplicaScore:
     """The score of one replica with its full breakdown (for logs, debug and tests)."""
 
@@ -339,7 +339,7 @@ def _pressure(inp: ReplicaInput, queued: float, wait_s: float, block_size: int) 
     return pressure + in_horizons(wait_s, inp.horizon_s)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # built per decision; frozen would cost 5x (setattr per field)
 class _Residency:
     """What survives of the usable blocks: their summed ``P_i x tier value``, the blocks
     predicted resident, and the hot and tail residency probabilities."""

@@ -121,7 +121,7 @@ async def run(replicas: int, passes: int, repeats: int, profile: bool,
         for _ in range(repeats):
             spent = 0.0
             for _ in range(passes):
-                spent += await one_pass(False)
+                spent += await one_pass(decisions)
             per_request.append(spent / (passes * len(order)))
         if profile:
             import cProfile
@@ -136,7 +136,7 @@ async def run(replicas: int, passes: int, repeats: int, profile: bool,
             stats.sort_stats("tottime").print_stats(40)
             stats.sort_stats("cumulative").print_stats(70)
     if decisions:
-        print(f"decisions digest (first pass): {digest.hexdigest()[:16]}")
+        print(f"decisions digest (every timed pass): {digest.hexdigest()[:16]}")
     return per_request
 
 
