@@ -195,6 +195,9 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
                    help="wait out the fleet's idle time instead of skipping it (by default "
                    "the replicas', kvroute routers' and the runner's clocks move forward "
                    "together whenever nothing is in flight: bench/idle_skip.py)")
+    c.add_argument("--router-workers", type=int, default=1, metavar="N",
+                   help="run each kvroute target as `kvroute serve --workers N` (N processes "
+                   "on one port, each with its own index, load and session state)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=_bench_compare)
 
@@ -385,6 +388,8 @@ def _bench_compare(args: argparse.Namespace) -> int:
         peers = standard_peers(args.peer_bin) + peers
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.router_workers < 1:
+        raise SystemExit("--router-workers must be at least 1")
     if peers and not os.environ.get(NETNS_ENV):
         return reexec_in_netns(NETNS_ENV, sys.argv[1:])
     try:

@@ -285,12 +285,15 @@ async def run_compare(
             num_blocks = int(value) if axis == "num_blocks" else args.num_blocks
             trace = scale_think(base_trace, value) if axis == "think" else base_trace
             label = "" if axis == "none" else f"{axis}={value:g}"
+            workers = getattr(args, "router_workers", 1)
             say(f"{label or 'run'}: {len(trace)} requests, {replicas} replicas x "
-                f"{num_blocks} blocks, targets {', '.join(t.name for t in targets)}")
+                f"{num_blocks} blocks, targets {', '.join(t.name for t in targets)}"
+                + (f" (kvroute with {workers} workers)" if workers > 1 else ""))
             spec = FleetSpec(tokenizer=tok_dir, replicas=replicas, model=run_cfg.model,
                              block_size=args.block_size, num_blocks=num_blocks,
                              time_scale=scale, profile=args.profile, router=False,
-                             log_dir=out / "logs", clock_file=clock_file)
+                             log_dir=out / "logs", clock_file=clock_file,
+                             router_workers=workers)
             bounds = None
             rounds = []
             for _ in range(repeats):  # targets interleaved round by round

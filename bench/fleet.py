@@ -64,6 +64,8 @@ class FleetSpec:
     policy: str | None = None
     """The router's default policy (``None``: its own default)."""
     router_args: tuple[str, ...] = ()
+    router_workers: int = 1
+    """``kvroute serve --workers N``: the router's processes on its one port."""
     sim_args: tuple[str, ...] = ()
     log_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -90,7 +92,7 @@ def free_port() -> int:
 
 
 async def wait_kv_live(
-    url: str, deadline: float, *, check: Callable[[], None] = lambda: None
+    url: str, deadline: float, *, check: Callable[[], None] = lambda: None, workers: int = 1
 ) -> None:
     """Until ``/ready`` of the router at ``url`` shows every KV event source it lists as
     live (``kv_events.sources``; a router with none returns at once), or ``FleetError``
@@ -101,10 +103,17 @@ async def wait_kv_live(
     ``buffer_steps`` batches per replica (those targets' runs and the reset after them),
     and on a busy machine their replay can outlast the sync window: the first turns of
     the next target would then route on an index still catching up.  Every target
-    starts from an index in step with the replicas instead."""
+    starts from an index in step with the replicas instead.
+
+    With ``workers`` > 1 (``kvroute serve --workers N``: N processes on one port, each
+    with its own index) every poll is a new connection, which the kernel gives to any of
+    them, and the wait ends once each worker (``/ready``'s ``worker``) has answered with
+    its sources live."""
     timeout = aiohttp.ClientTimeout(total=2.0)
     sources: dict[str, str] = {}
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    live: set[int] = set()
+    connector = aiohttp.TCPConnector(force_close=workers > 1)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         while True:
             check()
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
@@ -113,10 +122,13 @@ async def wait_kv_live(
                 kv = body.get("kv_events") if isinstance(body, dict) else None
                 sources = (kv or {}).get("sources") or {}
                 if all(state == "live" for state in sources.values()):
-                    return
+                    live.add(int(body.get("worker", 0)))
+                    if len(live) >= workers:
+                        return
             if time.monotonic() > deadline:
                 raise FleetError(f"the router at {url} did not get its KV event sources "
-                                 f"live in time: {sources}")
+                                 f"live in time (workers live: {sorted(live)} of "
+                                 f"{workers}): {sources}")
             await asyncio.sleep(0.05)
 
 
@@ -212,6 +224,8 @@ class Fleet:
             "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
             *[a for url in self.replica_urls for a in ("--replica", url)],
             *(["--policy", policy] if policy else []),
+            *(["--workers", str(self.spec.router_workers)]
+              if self.spec.router_workers > 1 else []),
             *self.spec.router_args,
         )
         # The router judges time in the replicas' time (``RouterSettings.time_scale``).
@@ -222,7 +236,8 @@ class Fleet:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_TIMEOUT_S
         await self._wait_http(child, url + "/ready", deadline)
-        await wait_kv_live(url, deadline, check=lambda: self._check_alive(child))
+        await wait_kv_live(url, deadline, check=lambda: self._check_alive(child),
+                           workers=self.spec.router_workers)
         return url, child
 
     @contextlib.asynccontextmanager

@@ -205,7 +205,8 @@ def create_app(
 
     async def ready(request: Request) -> Response:
         ctx: PolicyContext = request.state.context
-        status, body = readiness(settings, ctx.replicas, ctx.tasks, ctx.services)
+        status, body = readiness(settings, ctx.replicas, ctx.tasks, ctx.services,
+                                 worker=worker)
         return JSONResponse(body, status_code=status)
 
     async def metrics_endpoint(request: Request) -> Response:

@@ -3,12 +3,15 @@
 The answer is 200 while at least one replica is healthy, else 503.  The body says
 what works and what does not::
 
-    {"ready": true, "healthy_replicas": ["a", "b"], "degraded": ["kv_events"],
+    {"ready": true, "worker": 0, "healthy_replicas": ["a", "b"], "degraded": ["kv_events"],
      "kv_events": {"ok": false, "failing": {"kv:a": "RuntimeError: ..."},
                    "restarts": {"kv:a": 3}, "sources": {"a": "live", "b": "live"},
                    "connected": 2},
      "background_tasks": {"ok": true, "failing": {}, "restarts": {}}}
 
+* ``worker`` is the answering process's index under ``kvroute serve --workers N`` (0 for
+  a single process): each worker has its own index and sources, so a client that must
+  know them all live polls on fresh connections until it has heard from every worker.
 * ``kv_events.ok`` is false while KV event ingestion is down: its task, or one of its
   sources' subscribers, failed within the supervisor's ``healthy_after_s`` (each is
   restarted with backoff, ``aio.task_owner`` and ``aio.supervisor``).  ``sources`` gives
@@ -46,11 +49,14 @@ def readiness(
     replicas: ReplicaRegistry,
     tasks: TaskOwner,
     services: Mapping[str, Any],
+    *,
+    worker: int = 0,
 ) -> tuple[int, dict[str, Any]]:
     """The status code and JSON body of ``GET /ready`` (see the module docstring)."""
     healthy = replicas.healthy_ids()
     task_health = tasks.health()
-    body: dict[str, Any] = {"ready": bool(healthy), "healthy_replicas": list(healthy)}
+    body: dict[str, Any] = {"ready": bool(healthy), "worker": worker,
+                            "healthy_replicas": list(healthy)}
     degraded: list[str] = []
     kv = services.get("kv")
     detail = getattr(kv, "readiness", None)

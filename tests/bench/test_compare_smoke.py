@@ -61,3 +61,38 @@ def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> 
         # Every request starts with the trace's shared first block: some of it is cached,
         # and no run beats the optimal bound.
         assert 0 < p["cached_share"] <= p["bounds"]["pooled_optimal"] + 1e-9
+
+
+def test_router_workers_below_one_are_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvroute", "bench", "compare", "--router-workers", "0",
+         "--out", str(tmp_path / "cmp")],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--router-workers must be at least 1" in done.stderr
+    assert not (tmp_path / "cmp").exists()
+
+
+@pytest.mark.slow
+def test_compare_with_two_router_workers(tmp_path: Path, llama3_dir: Path) -> None:
+    """Each kvroute target runs as ``kvroute serve --workers 2``; the run starts only once
+    both workers have answered ``/ready`` with their event sources live (a single
+    process never says it is worker 1, so the run would not start), and every request
+    is served."""
+    out = tmp_path / "cmp"
+    shutil.copytree(llama3_dir, out / "tiny-model")
+    trace = tmp_path / "trace.jsonl"
+    kvroute = [sys.executable, "-m", "kvroute"]
+    subprocess.run(
+        [*kvroute, "bench", "import-trace", str(SLICE), "--out", str(trace),
+         "--duration-s", "8", "--tokenizer", str(out / "tiny-model")],
+        capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [*kvroute, "bench", "compare", "--trace", str(trace), "--replicas", "2",
+         "--num-blocks", "1024", "--policies", "kv", "--max-tokens", "2",
+         "--time-scale", "1", "--router-workers", "2", "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "(kvroute with 2 workers)" in done.stderr
+    [point] = json.loads((out / "compare.json").read_text())["points"]
+    assert point["errors"] == 0 and point["requests"] == len(load(trace))

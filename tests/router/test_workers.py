@@ -20,6 +20,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from bench.fleet import wait_kv_live
 from replica.vllm.tiny_tokenizer import build_tokenizer
 from tests.ports import free_port, free_ports
 from tests.router.fake_replica import Behaviour, FakeReplica
@@ -130,7 +131,8 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
         await ready(http, url, proc, admins)
         assert len(children(proc.pid)) == 2
         f = Fleet([], url, http, CollectorRegistry(), None)  # type: ignore[arg-type]
-        await asyncio.sleep(1.0)  # both workers' event streams connected and replayed
+        # each worker's /ready (``worker`` says which answered) lists its sources live
+        await wait_kv_live(url, time.monotonic() + 30, workers=2)
         convs = [Conversation(system=f"Worker test {i}. " * 20, session=f"w{i}")
                  for i in range(6)]
         turns: list[Turn] = []
