@@ -28,24 +28,38 @@ def test_single_token_words_encode_to_one_token_each(llama3_dir: Path) -> None:
     assert len(tok.encode(text, add_special_tokens=False).ids) == len(words)
 
 
-@pytest.mark.slow
-def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> None:
+KVROUTE = [sys.executable, "-m", "kvroute"]
+
+
+def _import_slice(tmp_path: Path, llama3_dir: Path) -> tuple[Path, Path, dict[str, int]]:
+    """The first 8 s of the committed slice as a chat trace; the output folder (holding
+    the tokenizer) and the import's summary."""
     out = tmp_path / "cmp"
     shutil.copytree(llama3_dir, out / "tiny-model")
     trace = tmp_path / "trace.jsonl"
-    kvroute = [sys.executable, "-m", "kvroute"]
     done = subprocess.run(
-        [*kvroute, "bench", "import-trace", str(SLICE), "--out", str(trace),
+        [*KVROUTE, "bench", "import-trace", str(SLICE), "--out", str(trace),
          "--duration-s", "8", "--tokenizer", str(out / "tiny-model")],
         capture_output=True, text=True, timeout=120, check=True)
-    summary = json.loads(done.stdout)
-    assert summary["requests"] == len(load(trace)) > 10
+    return out, trace, json.loads(done.stdout)
+
+
+def _compare(out: Path, trace: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``bench compare`` of the trace on two replicas of 1,024 blocks, two output tokens."""
     done = subprocess.run(
-        [*kvroute, "bench", "compare", "--trace", str(trace), "--replicas", "2",
-         "--num-blocks", "1024", "--policies", "session,kv", "--max-tokens", "2",
-         "--time-scale", "1", "--repeats", "2", "--no-progress", "--out", str(out)],
+        [*KVROUTE, "bench", "compare", "--trace", str(trace), "--replicas", "2",
+         "--num-blocks", "1024", "--max-tokens", "2", "--time-scale", "1",
+         "--no-progress", "--out", str(out), *args],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done
+
+
+@pytest.mark.slow
+def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> None:
+    out, trace, summary = _import_slice(tmp_path, llama3_dir)
+    assert summary["requests"] == len(load(trace)) > 10
+    done = _compare(out, trace, "--policies", "session,kv", "--repeats", "2")
     assert "bound: pooled optimal" in done.stdout
     points = json.loads((out / "compare.json").read_text())["points"]
     assert sorted((p["policy"], p["repeat"]) for p in points) == [
@@ -65,7 +79,7 @@ def test_import_and_compare_at_a_tiny_size(tmp_path: Path, llama3_dir: Path) -> 
 
 def test_router_workers_below_one_are_refused(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "kvroute", "bench", "compare", "--router-workers", "0",
+        [*KVROUTE, "bench", "compare", "--router-workers", "0",
          "--out", str(tmp_path / "cmp")],
         capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
@@ -79,20 +93,8 @@ def test_compare_with_two_router_workers(tmp_path: Path, llama3_dir: Path) -> No
     both workers have answered ``/ready`` with their event sources live (a single
     process never says it is worker 1, so the run would not start), and every request
     is served."""
-    out = tmp_path / "cmp"
-    shutil.copytree(llama3_dir, out / "tiny-model")
-    trace = tmp_path / "trace.jsonl"
-    kvroute = [sys.executable, "-m", "kvroute"]
-    subprocess.run(
-        [*kvroute, "bench", "import-trace", str(SLICE), "--out", str(trace),
-         "--duration-s", "8", "--tokenizer", str(out / "tiny-model")],
-        capture_output=True, text=True, timeout=120, check=True)
-    done = subprocess.run(
-        [*kvroute, "bench", "compare", "--trace", str(trace), "--replicas", "2",
-         "--num-blocks", "1024", "--policies", "kv", "--max-tokens", "2",
-         "--time-scale", "1", "--router-workers", "2", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out, trace, _ = _import_slice(tmp_path, llama3_dir)
+    done = _compare(out, trace, "--policies", "kv", "--router-workers", "2")
     assert "(kvroute with 2 workers)" in done.stderr
     [point] = json.loads((out / "compare.json").read_text())["points"]
     assert point["errors"] == 0 and point["requests"] == len(load(trace))
