@@ -290,7 +290,8 @@ class KvPolicy:
         t_lookup = time.perf_counter()
         inputs, sighted = self.view.inputs(
             candidates, found.hits or _EMPTY, now, self._wall(),
-            tail=self.tracker.tail(previous, now) if previous is not None else None,
+            tail=(self.tracker.tail(previous, now, _held(found.hits, previous.replica))
+                  if previous is not None else None),
             new_conversation=previous is None,
         )
         n_tokens = prompt.num_tokens if prompt is not None else 0
@@ -490,3 +491,10 @@ class KvPolicy:
         """Scrape-time gauge rows for ``KvMetrics`` (horizon, rate, load terms, trust)."""
         yield from self.view.gauge_rows(self._clock())
 
+
+def _held(hits: PrefixHits | None, replica: ReplicaId) -> int | None:
+    """The leading blocks ``hits`` show on ``replica`` (``None``: no lookup)."""
+    if hits is None:
+        return None
+    hit = hits.by_replica.get(replica)
+    return hit.blocks if hit is not None else 0

@@ -79,8 +79,19 @@ class SessionTracker:
         session = self.session_of(akey)
         return self.sessions.get(session) if session is not None else None
 
-    def tail(self, previous: SessionState, now: float) -> SessionTail:
-        """The previous turn's blocks on its replica (consumed share, queue position)."""
+    def tail(
+        self, previous: SessionState, now: float, held_blocks: int | None = None
+    ) -> SessionTail:
+        """The previous turn's blocks on its replica (consumed share, queue position).
+
+        ``held_blocks``: the leading blocks of the new prompt the index shows on that
+        replica.  More than the previous turn released there means a later turn this
+        process did not route (another worker or router did) stored them: its record of
+        when the run was last used is stale, and the run is taken as fresh (no share
+        consumed) instead of aged from a turn that is no longer the latest."""
+        if (held_blocks is not None and previous.blocks_mark is not None
+                and held_blocks > previous.blocks_mark):
+            return SessionTail(previous.replica, 0.0)
         consumed = self._tail_consumed(previous, now)
         if consumed > 0 and previous.free_mark and previous.blocks_mark:
             return SessionTail(previous.replica, consumed, previous.free_mark,

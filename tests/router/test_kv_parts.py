@@ -174,6 +174,24 @@ def test_tracker_tail_from_allocations_since_the_turn_finished() -> None:
     assert (tail.replica, tail.queue_blocks, tail.run_blocks) == (A, 500.0, 10)
 
 
+def test_tracker_tail_is_fresh_when_the_replica_holds_more_than_the_turn_left() -> None:
+    """Another worker (or router) routed a later turn of the session to the same replica:
+    the index shows more of the prompt there than the turn this process saw released, so
+    that run was used after the record and is not aged from it."""
+    h = HorizonEstimator()
+    h.observe_scrape(A, PoolSample(0.0, 16, 1000, 0.5, None, None), count_allocations=False)
+    t = tracker(h)
+    key = AffinityKey("k", "session")
+    t.sessions.turn("k", A, 0.0, b"", None)
+    t.finished("k", A, 10, 1.0)  # this process's last turn released 10 blocks
+    h.observe_allocated(A, 2.0, 600.0)  # more than the 500 free blocks ahead of it
+    state = t.previous(key)
+    assert state is not None
+    assert t.tail(state, 3.0).consumed == pytest.approx(600 / 500)  # aged: evicted
+    assert t.tail(state, 3.0, held_blocks=10).consumed == pytest.approx(600 / 500)
+    assert t.tail(state, 3.0, held_blocks=11) == SessionTail(A)  # a later turn's blocks
+
+
 def test_tracker_tail_without_marks_uses_the_horizon() -> None:
     t = tracker(HorizonEstimator())
     state = SessionState(A, 0.0, finished_at=5.0)

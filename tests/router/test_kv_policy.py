@@ -491,3 +491,41 @@ async def test_the_look_aheads_forecasts_are_explained_and_counted(
     # the series exist for the chosen replica (a forecast of nothing is still counted)
     assert env.prom.get_sample_value("router_kv_outlook_pool_wait_seconds_total",
                                      {"replica": d.replica}) is not None
+
+
+async def test_a_turn_another_worker_routed_keeps_the_run_fresh(
+    registry: RendererRegistry,
+) -> None:
+    # Two workers (or routers) on one index, each with its own session table: worker A
+    # routed turn 1, worker B turn 2 to the same replica; since A's record of turn 1 the
+    # replica allocated more than the free pool ahead of that turn's blocks.  Aged from
+    # A's record the run would be gone, but the index shows turn 2's blocks there, stored
+    # after it: A predicts the whole run, as the replica then reports it.
+    index = InMemoryIndex()
+    a, b = Env(registry, index=index), Env(registry, index=index)
+    for env in (a, b):
+        env.policy.horizon.observe_scrape(
+            R[1], PoolSample(env.clock.t, 16, 1000, 0.5, None, None), count_allocations=False)
+    t1 = req(chat("two workers, one session"), session="s")
+    await a.hold(R[1], req(chat("shared start")))  # nothing of the session yet
+    d1 = await a.policy.route(t1, R)
+    replica = d1.replica
+    await a.hold(replica, t1)
+    a.policy.record(t1, d1, Receipt(replica, True, prompt_tokens=(await a.prompt(t1)).num_tokens,
+                                    cached_tokens=0, completion_tokens=5))
+    t2 = req(chat("two workers, one session", "an answer", "a second question"), session="s")
+    b.clock.t += 30
+    d2 = await b.policy.route(t2, R)
+    assert d2.replica == replica
+    await b.hold(replica, t2)
+    b.policy.record(t2, d2, Receipt(replica, True, prompt_tokens=(await b.prompt(t2)).num_tokens,
+                                    cached_tokens=d2.predicted_cached_tokens or 0,
+                                    completion_tokens=5))
+    a.clock.t += 60
+    a.policy.horizon.observe_allocated(replica, a.clock.t, 600.0)  # > the 500 ahead of t1
+    t3 = req(chat("two workers, one session", "an answer", "a second question",
+                  "another answer", "a third question"), session="s")
+    held = len((await a.prompt(t2)).block_keys)
+    d3 = await a.policy.decide(t3, R, commit=False)
+    assert d3.replica == replica
+    assert d3.predicted_cached_tokens == held * 16
