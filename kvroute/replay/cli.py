@@ -83,6 +83,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     f.add_argument("--profile", default="llama-3.1-8b-h100",
                    help="timing profile of the simulated engine")
+    f.add_argument("--routers", type=int, default=1,
+                   help="router processes, each with its own policy state, every request "
+                        "dealt to one at random (kvroute serve --workers N; "
+                        "kvroute.replay.loop)")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
                    help="comma-separated policies to replay; each may change scoring "
                         "settings, kv/pool_headroom=false/future_weight=0.5 "
@@ -153,7 +157,7 @@ def _plan(args: argparse.Namespace) -> SeedPlan:
         num_blocks=tuple(int(v) for v in args.num_blocks.split(",") if v.strip()),
         namings=max(1, args.namings), sessions=args.sessions, max_tokens=args.max_tokens,
         replicas=args.replicas, block_size=args.block_size, profile=args.profile,
-        windows=windows,
+        routers=args.routers, windows=windows,
     )
 
 
@@ -198,7 +202,7 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
         for naming in range(max(1, args.namings)):
             cfg = ReplayConfig(replicas=base.replicas, num_blocks=nb,
                                block_size=base.block_size, profile=base.profile,
-                               naming=naming)
+                               naming=naming, routers=args.routers)
             for spec in specs:
                 policy = spec.label
                 run = await replay_run(spec.name, requests, spec.config(cfg))
@@ -235,6 +239,9 @@ def _main(args: argparse.Namespace) -> int:
         _specs(args)
     except ValueError as exc:
         print(f"kvroute replay: --policies: {exc}", file=sys.stderr)
+        return 2
+    if args.routers < 1:
+        print("kvroute replay: --routers must be at least 1", file=sys.stderr)
         return 2
     if args.seeds is not None:
         if args.trace is not None or args.breakdown:

@@ -21,8 +21,15 @@ The replicas' pool events also count the fleet's copies of blocks
 (``kvroute.replay.copies``; ``replay_run``).
 
 The router's clocks are the simulated clock: time-based judgements (provisional TTL,
-placement decay, horizon) run at time scale 1 whatever the replay's speed.  There is
-one router, so the scrape's foreign load is always zero and is not modelled.
+placement decay, horizon) run at time scale 1 whatever the replay's speed.  With one
+router (the default) the scrape's foreign load is always zero and is not modelled.
+With ``ReplayConfig.routers`` N > 1, N policy objects of the same kind route, each
+request by one of them drawn at random (seeded), as ``kvroute serve --workers N`` or N
+routers on one index do: each has its own session table, load tracker, provisional
+entries and horizon estimator (fed the same allocations and scrapes), and all read the
+one index.  Each then knows only its own requests in flight: the scrape's waiting and
+running counts, which tell a router in production of the others' queues, are not
+modelled, so the load view is the worst case.
 """
 
 from __future__ import annotations
@@ -76,6 +83,12 @@ class ReplayConfig:
     configures them for the GPUs they run."""
     vocab_size: int = 2000
     seed: int = 0
+    routers: int = 1
+    """Router processes in front of the fleet (``kvroute serve --workers N``, or several
+    routers on one index): each has its own policy state (session table, load view,
+    provisional entries, horizon estimates) and every request goes to one of them drawn
+    at random (``seed``), as the kernel deals a new connection to one of the workers.
+    They share the index, which each fills from every replica's events."""
     naming: int = 0
     """Which names the replicas get: 0 names them ``r0`` to ``rN-1``, another value
     another set of names.  Consistent-hash rings (the session policy's pins, the kv
@@ -112,6 +125,8 @@ class Served:
     previous_replica: str | None = None
     """The replica of the session's previous turn (``None`` for turn 1)."""
     error: str | None = None
+    router: int = 0
+    """Which router routed it (``ReplayConfig.routers``)."""
 
     @property
     def ok(self) -> bool:
@@ -138,6 +153,8 @@ class _Pending:
     replica: VirtualReplica
     arrival: float
     previous: ReplicaId | None
+    router: int = 0
+    """Which of the routers routed it (and records it)."""
     first: float | None = None
 
 
@@ -187,11 +204,16 @@ class _Replay:
             for i, r in enumerate(cfg.replica_ids())
         }
         self.candidates = list(self.reps)
-        self.load = LoadTracker(self.candidates)
         self.prompts = _Prompts()
-        self.policy = _make_policy(policy, s, self.load, index, self.prompts, self.reps,
-                                   lambda: self.now, cfg.seed)
-        self.horizon = self.policy.horizon if isinstance(self.policy, KvPolicy) else None
+        if cfg.routers < 1:
+            raise ValueError("a replay needs at least one router")
+        self.loads = [LoadTracker(self.candidates) for _ in range(cfg.routers)]
+        self.policies = [
+            _make_policy(policy, s, load, index, self.prompts, self.reps, lambda: self.now,
+                         cfg.seed + k)
+            for k, load in enumerate(self.loads)]
+        self.horizons = [p.horizon for p in self.policies if isinstance(p, KvPolicy)]
+        self.dealer = random.Random(f"routers {cfg.seed} {cfg.naming}")
         self.scrape_s = s.scrape.interval_s
         self.pending: dict[str, _Pending] = {}
         self.last_replica: dict[str, ReplicaId] = {}
@@ -209,7 +231,7 @@ class _Replay:
             turns.reverse()  # pop() takes the next turn
             first = turns.pop()
             self.push(first.at, 1, first)
-        if self.horizon is not None:
+        if self.horizons:
             self.push(0.0, 2, None)
         while self.heap:
             t, _, kind, data = heapq.heappop(self.heap)
@@ -224,13 +246,14 @@ class _Replay:
         return self.results
 
     def _scrape(self) -> None:
-        assert self.horizon is not None
         for r, rep in self.reps.items():
             pool = rep.pool
-            self.horizon.observe_scrape(r, PoolSample(
+            sample = PoolSample(
                 t=self.now, block_size=pool.block_size, num_gpu_blocks=pool.num_blocks - 1,
                 kv_usage=pool.usage(), computed_prompt_tokens_total=None,
-                generation_tokens_total=None), count_allocations=False)
+                generation_tokens_total=None)
+            for horizon in self.horizons:
+                horizon.observe_scrape(r, sample, count_allocations=False)
 
     def _next_turn(self, session: str, after: float) -> None:
         turns = self.turns.get(session)
@@ -258,15 +281,17 @@ class _Replay:
         body = {"model": cfg.model, "messages": [{"role": "user", "content": rid}]}
         route = RouteRequest(request_id=rid, endpoint="chat", path="/v1/chat/completions",
                              model=cfg.model, body=body, session_key=req.session)
-        decision = await self.policy.route(route, self.candidates)
+        router = self.dealer.randrange(self.cfg.routers) if self.cfg.routers > 1 else 0
+        decision = await self.policies[router].route(route, self.candidates)
         self.prompts.by_id.pop(rid, None)
         rep = self.reps[decision.replica]
         charge = decision.prompt_tokens if decision.prompt_tokens is not None else n
-        lease = self.load.lease(rep.id, charge)
+        lease = self.loads[router].lease(rep.id, charge)
         lease.__enter__()
         sim = SimRequest(rid, tokens, req.max_tokens, keys=list(keys),
                          cache_salt=req.cache_salt, seed=next(self.serial))
-        self.pending[rid] = _Pending(req, route, decision, lease, rep, self.now, previous)
+        self.pending[rid] = _Pending(req, route, decision, lease, rep, self.now, previous,
+                                     router)
         self.last_replica[req.session] = rep.id
         rep.add(sim, self.now)
         self._kick(rep)
@@ -278,8 +303,9 @@ class _Replay:
 
     async def _step_end(self, rep: VirtualReplica) -> None:
         outputs, stored = await rep.finish_step(self.now)
-        if stored and self.horizon is not None:
-            self.horizon.observe_allocated(rep.id, self.now, stored)
+        if stored:
+            for horizon in self.horizons:
+                horizon.observe_allocated(rep.id, self.now, stored)
         for sim in outputs:
             p = self.pending.get(sim.request_id)
             if p is None:
@@ -296,14 +322,14 @@ class _Replay:
         p.lease.release()
         ttft = None if p.first is None else p.first - p.arrival
         cached = max(0, sim.num_cached_tokens)
-        self.policy.record(p.route, p.decision, Receipt(
+        self.policies[p.router].record(p.route, p.decision, Receipt(
             replica=p.replica.id, ok=True, prompt_tokens=sim.num_prompt, cached_tokens=cached,
             ttfb_s=ttft, completion_tokens=sim.num_output))
         self.results.append(Served(
             session=p.req.session, turn=p.req.turn, arrival_s=p.arrival,
             prompt_tokens=sim.num_prompt, replica=p.replica.id, reason=p.decision.reason,
             cached_tokens=cached, predicted_cached_tokens=p.decision.predicted_cached_tokens,
-            ttft_s=ttft, previous_replica=p.previous,
+            ttft_s=ttft, previous_replica=p.previous, router=p.router,
         ))
         self._next_turn(p.req.session, self.now)
 
