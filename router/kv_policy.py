@@ -101,7 +101,7 @@ from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
 from router.replica_view import ReplicaView
 from router.scoring import CostModel, ReplicaScore, ScoringWeights, rank_replicas
-from router.scrape import MetricsScraper
+from router.scrape import Scrapes
 from router.session_table import SessionState, SessionTable
 from router.session_tracker import SessionTracker
 
@@ -194,7 +194,7 @@ class KvPolicy:
         load: LoadTracker,
         replica_url: Callable[[ReplicaId], str | None],
         statuses: Callable[[ReplicaId], SourceStatus | None] = lambda r: None,
-        scraper: MetricsScraper | None = None,
+        scraper: Scrapes | None = None,
         horizon: HorizonEstimator | None = None,
         metrics: KvMetrics | None = None,
         config: KvConfig = KvConfig(),

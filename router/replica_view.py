@@ -42,7 +42,7 @@ from router.scoring import (
     foreign_load,
     index_trust,
 )
-from router.scrape import MetricsScraper, ScrapeSample
+from router.scrape import Scrapes, ScrapeSample
 
 __all__ = ["ReplicaView", "SessionTail"]
 
@@ -118,7 +118,7 @@ class ReplicaView:
         horizon: HorizonEstimator,
         calibration: ReceiptCalibration,
         statuses: Callable[[ReplicaId], SourceStatus | None],
-        scraper: MetricsScraper | None,
+        scraper: Scrapes | None,
         weights: ScoringWeights,
         costs: CostModel,
         foreign_prefill_tokens_per_request: float,

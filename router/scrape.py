@@ -27,12 +27,13 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from kvkeys.types import ReplicaId
 
-__all__ = ["MetricsScraper", "ScrapeSample", "parse_vllm_metrics"]
+__all__ = ["MetricsScraper", "SampleListener", "ScrapeSample", "Scrapes", "parse_vllm_metrics"]
 
 _log = logging.getLogger(__name__)
 
@@ -155,6 +156,17 @@ def parse_vllm_metrics(text: str, t: float) -> ScrapeSample:
 
 
 SampleListener = Callable[[ReplicaId, ScrapeSample], None]
+
+
+class Scrapes(Protocol):
+    """What the ``kv`` policy reads of the scrapes: ``MetricsScraper``, or the replay's
+    model of them (``kvroute.replay.loop``)."""
+
+    def add_listener(self, listener: SampleListener) -> None:
+        """Call ``listener(replica, sample)`` after each scrape."""
+
+    def latest(self, replica: ReplicaId, now: float) -> ScrapeSample | None:
+        """The last sample of ``replica`` if still fresh, else ``None``."""
 
 
 class MetricsScraper:

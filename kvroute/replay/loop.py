@@ -27,9 +27,11 @@ With ``ReplayConfig.routers`` N > 1, N policy objects of the same kind route, ea
 request by one of them drawn at random (seeded), as ``kvroute serve --workers N`` or N
 routers on one index do: each has its own session table, load tracker, provisional
 entries and horizon estimator (fed the same allocations and scrapes), and all read the
-one index.  Each then knows only its own requests in flight: the scrape's waiting and
-running counts, which tell a router in production of the others' queues, are not
-modelled, so the load view is the worst case.
+one index.  Each knows its own requests in flight, and of the others' what the scrapes
+show, as in production: every ``scrape.interval_s`` each replica's waiting and running
+requests (the scheduler's queues) reach every router, which counts what exceeds its
+own as foreign load (``router.scoring.foreign_load``).  With one router the scrape's
+load is not modelled (it would be the router's own).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from router.load_policies import LeastLoaded, RoundRobin
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
+from router.scrape import SampleListener, ScrapeSample
 from router.session_policy import SessionPolicy
 from router.session_table import SessionTable
 
@@ -144,6 +147,30 @@ class _Prompts:
         return self.by_id.get(request.request_id)
 
 
+class _ReplayScrapes:
+    """The ``/metrics`` scrapes of the fleet as several routers read them (``Scrapes``):
+    each replica's waiting and running requests at every scrape, whoever sent them."""
+
+    def __init__(self, stale_after_s: float) -> None:
+        self.stale_after_s = stale_after_s
+        self._latest: dict[ReplicaId, ScrapeSample] = {}
+        self._listeners: list[SampleListener] = []
+
+    def add_listener(self, listener: SampleListener) -> None:
+        self._listeners.append(listener)
+
+    def latest(self, replica: ReplicaId, now: float) -> ScrapeSample | None:
+        sample = self._latest.get(replica)
+        if sample is None or now - sample.t > self.stale_after_s:
+            return None
+        return sample
+
+    def observe(self, replica: ReplicaId, sample: ScrapeSample) -> None:
+        self._latest[replica] = sample
+        for listener in self._listeners:
+            listener(replica, sample)
+
+
 @dataclass(slots=True)
 class _Pending:
     req: ReplayRequest
@@ -161,7 +188,7 @@ class _Pending:
 def _make_policy(
     name: str, s: ScoringSettings, load: LoadTracker, index: InMemoryIndex,
     prompts: _Prompts, reps: dict[ReplicaId, VirtualReplica], clock: Callable[[], float],
-    seed: int,
+    seed: int, scrapes: _ReplayScrapes | None = None,
 ) -> Policy:
     if name == "round_robin":
         return RoundRobin()
@@ -180,7 +207,7 @@ def _make_policy(
         sessions=SessionTable(max_sessions=s.max_sessions, max_token_bytes=s.session_token_bytes),
         calibration=ReceiptCalibration(weight=s.receipt_trust_weight,
                                        floor=s.receipt_trust_floor),
-        clock=clock, wall=clock, rng=random.Random(seed),
+        clock=clock, wall=clock, rng=random.Random(seed), scraper=scrapes,
     )
 
 
@@ -208,9 +235,12 @@ class _Replay:
         if cfg.routers < 1:
             raise ValueError("a replay needs at least one router")
         self.loads = [LoadTracker(self.candidates) for _ in range(cfg.routers)]
+        # With several routers each learns of the others' queues from the scrapes.
+        self.scrapes = (_ReplayScrapes(s.scrape.stale_after_s) if cfg.routers > 1
+                        else None)
         self.policies = [
             _make_policy(policy, s, load, index, self.prompts, self.reps, lambda: self.now,
-                         cfg.seed + k)
+                         cfg.seed + k, self.scrapes)
             for k, load in enumerate(self.loads)]
         self.horizons = [p.horizon for p in self.policies if isinstance(p, KvPolicy)]
         self.dealer = random.Random(f"routers {cfg.seed} {cfg.naming}")
@@ -231,7 +261,7 @@ class _Replay:
             turns.reverse()  # pop() takes the next turn
             first = turns.pop()
             self.push(first.at, 1, first)
-        if self.horizons:
+        if self.horizons or self.scrapes is not None:
             self.push(0.0, 2, None)
         while self.heap:
             t, _, kind, data = heapq.heappop(self.heap)
@@ -254,6 +284,11 @@ class _Replay:
                 generation_tokens_total=None)
             for horizon in self.horizons:
                 horizon.observe_scrape(r, sample, count_allocations=False)
+            if self.scrapes is not None:
+                scheduler = rep.scheduler
+                self.scrapes.observe(r, ScrapeSample(
+                    t=self.now, waiting=float(len(scheduler.waiting)),
+                    running=float(len(scheduler.running))))
 
     def _next_turn(self, session: str, after: float) -> None:
         turns = self.turns.get(session)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from bench.hashtrace import HashScale, import_records, load_hash_trace
+from kvkeys.types import ReplicaId
 from kvroute.cli import main
-from kvroute.replay.loop import ReplayConfig, Served, replay
+from kvroute.replay.loop import ReplayConfig, Served, _Replay, replay
 from kvroute.replay.requests import ReplayRequest, from_hash_trace
 from kvroute.replay.seeds import SeedPlan, workload
 from kvroute.replay.summary import bounds_of, figures
@@ -186,3 +187,21 @@ async def test_two_routers_keep_predictions_exact_on_each_others_turns() -> None
 def test_kvroute_replay_refuses_fewer_than_one_router(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--routers", "0", "--num-blocks", "64"]) == 2
     assert "--routers must be at least 1" in capsys.readouterr().err
+
+
+async def test_several_routers_learn_each_others_queues_from_the_scrapes() -> None:
+    """Every scrape tick each replica's waiting and running requests reach every router
+    (as ``/metrics`` would show them); one router alone reads none."""
+    reqs = _requests()
+    run = _Replay("kv", ReplayConfig(num_blocks=1024, routers=2))
+    assert run.scrapes is not None
+    seen: list[tuple[str, float, float | None, float | None]] = []
+    run.scrapes.add_listener(lambda r, s: seen.append((r, s.t, s.waiting, s.running)))
+    served = await run.run(reqs)
+    assert len(served) == len(reqs)
+    assert {r for r, *_ in seen} == set(run.reps)
+    assert any((running or 0) > 0 for *_, running in seen)
+    last = max(t for _, t, *_ in seen)
+    assert run.scrapes.latest(ReplicaId("r0"), last) is not None
+    assert run.scrapes.latest(ReplicaId("r0"), last + 60.0) is None  # stale
+    assert _Replay("kv", ReplayConfig(num_blocks=1024)).scrapes is None
