@@ -33,7 +33,14 @@ import aiohttp
 
 from kvkeys.types import ReplicaId
 
-__all__ = ["MetricsScraper", "SampleListener", "ScrapeSample", "Scrapes", "parse_vllm_metrics"]
+__all__ = [
+    "LatestSamples",
+    "MetricsScraper",
+    "SampleListener",
+    "ScrapeSample",
+    "Scrapes",
+    "parse_vllm_metrics",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -158,6 +165,34 @@ def parse_vllm_metrics(text: str, t: float) -> ScrapeSample:
 SampleListener = Callable[[ReplicaId, ScrapeSample], None]
 
 
+class LatestSamples:
+    """Each replica's latest sample, fresh for ``stale_after_s``, and the listeners told
+    of every new one (``Scrapes``): what ``MetricsScraper`` keeps of its scrapes, and
+    what the replay's model of them keeps (``kvroute.replay.loop``)."""
+
+    def __init__(self, stale_after_s: float, listeners: Iterable[SampleListener] = ()) -> None:
+        self.stale_after_s = stale_after_s
+        self._latest: dict[ReplicaId, ScrapeSample] = {}
+        self._listeners = list(listeners)
+
+    def add_listener(self, listener: SampleListener) -> None:
+        """Call ``listener(replica, sample)`` after each new sample."""
+        self._listeners.append(listener)
+
+    def latest(self, replica: ReplicaId, now: float) -> ScrapeSample | None:
+        """The last sample of ``replica`` if fresher than ``stale_after_s``, else ``None``."""
+        sample = self._latest.get(replica)
+        if sample is None or now - sample.t > self.stale_after_s:
+            return None
+        return sample
+
+    def observe(self, replica: ReplicaId, sample: ScrapeSample) -> None:
+        """Keep ``sample`` as ``replica``'s latest and tell the listeners."""
+        self._latest[replica] = sample
+        for listener in self._listeners:
+            listener(replica, sample)
+
+
 class Scrapes(Protocol):
     """What the ``kv`` policy reads of the scrapes: ``MetricsScraper``, or the replay's
     model of them (``kvroute.replay.loop``)."""
@@ -190,22 +225,18 @@ class MetricsScraper:
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._latest: dict[ReplicaId, ScrapeSample] = {}
-        self._listeners = list(listeners)
+        self._samples = LatestSamples(stale_after_s, listeners)
         self.failures: dict[ReplicaId, int] = {}
         self._time_scale = time_scale
         """Wall seconds per second of ``clock`` (the interval is in ``clock``'s time)."""
 
     def add_listener(self, listener: SampleListener) -> None:
         """Call ``listener(replica, sample)`` after each successful scrape."""
-        self._listeners.append(listener)
+        self._samples.add_listener(listener)
 
     def latest(self, replica: ReplicaId, now: float) -> ScrapeSample | None:
         """The last sample of ``replica`` if fresher than ``stale_after_s``, else ``None``."""
-        sample = self._latest.get(replica)
-        if sample is None or now - sample.t > self.stale_after_s:
-            return None
-        return sample
+        return self._samples.latest(replica, now)
 
     async def run(self) -> None:
         """Scrape forever (cancel to stop)."""
@@ -233,7 +264,4 @@ class MetricsScraper:
             self.failures[replica] = self.failures.get(replica, 0) + 1
             _log.debug("scrape of %s failed: %r", replica, exc)
             return
-        sample = parse_vllm_metrics(text, self._clock())
-        self._latest[replica] = sample
-        for listener in self._listeners:
-            listener(replica, sample)
+        self._samples.observe(replica, parse_vllm_metrics(text, self._clock()))

@@ -61,7 +61,7 @@ from router.load_policies import LeastLoaded, RoundRobin
 from router.policy import Decision, Policy, Receipt, RouteRequest
 from router.provisional import ProvisionalBlocks
 from router.receipts import ReceiptCalibration
-from router.scrape import SampleListener, ScrapeSample
+from router.scrape import LatestSamples, ScrapeSample
 from router.session_policy import SessionPolicy
 from router.session_table import SessionTable
 
@@ -147,30 +147,6 @@ class _Prompts:
         return self.by_id.get(request.request_id)
 
 
-class _ReplayScrapes:
-    """The ``/metrics`` scrapes of the fleet as several routers read them (``Scrapes``):
-    each replica's waiting and running requests at every scrape, whoever sent them."""
-
-    def __init__(self, stale_after_s: float) -> None:
-        self.stale_after_s = stale_after_s
-        self._latest: dict[ReplicaId, ScrapeSample] = {}
-        self._listeners: list[SampleListener] = []
-
-    def add_listener(self, listener: SampleListener) -> None:
-        self._listeners.append(listener)
-
-    def latest(self, replica: ReplicaId, now: float) -> ScrapeSample | None:
-        sample = self._latest.get(replica)
-        if sample is None or now - sample.t > self.stale_after_s:
-            return None
-        return sample
-
-    def observe(self, replica: ReplicaId, sample: ScrapeSample) -> None:
-        self._latest[replica] = sample
-        for listener in self._listeners:
-            listener(replica, sample)
-
-
 @dataclass(slots=True)
 class _Pending:
     req: ReplayRequest
@@ -188,7 +164,7 @@ class _Pending:
 def _make_policy(
     name: str, s: ScoringSettings, load: LoadTracker, index: InMemoryIndex,
     prompts: _Prompts, reps: dict[ReplicaId, VirtualReplica], clock: Callable[[], float],
-    seed: int, scrapes: _ReplayScrapes | None = None,
+    seed: int, scrapes: LatestSamples | None = None,
 ) -> Policy:
     if name == "round_robin":
         return RoundRobin()
@@ -236,7 +212,7 @@ class _Replay:
             raise ValueError("a replay needs at least one router")
         self.loads = [LoadTracker(self.candidates) for _ in range(cfg.routers)]
         # With several routers each learns of the others' queues from the scrapes.
-        self.scrapes = (_ReplayScrapes(s.scrape.stale_after_s) if cfg.routers > 1
+        self.scrapes = (LatestSamples(s.scrape.stale_after_s) if cfg.routers > 1
                         else None)
         self.policies = [
             _make_policy(policy, s, load, index, self.prompts, self.reps, lambda: self.now,
