@@ -90,7 +90,8 @@ class ReplayConfig:
     """Router processes in front of the fleet (``kvroute serve --workers N``, or several
     routers on one index): each has its own policy state (session table, load view,
     provisional entries, horizon estimates) and every request goes to one of them drawn
-    at random (``seed``), as the kernel deals a new connection to one of the workers.
+    at random (seeded by ``seed`` and ``naming``), as the kernel deals a new connection
+    to one of the workers.
     They share the index, which each fills from every replica's events."""
     naming: int = 0
     """Which names the replicas get: 0 names them ``r0`` to ``rN-1``, another value
