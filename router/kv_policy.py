@@ -288,11 +288,13 @@ class KvPolicy:
         previous = self.tracker.previous(akey)
         found = await self._lookup(request, prompt, candidates, now)
         t_lookup = time.perf_counter()
+        tail = None
+        if previous is not None:
+            held = found.hits.blocks(previous.replica) if found.hits is not None else None
+            tail = self.tracker.tail(previous, now, held)
         inputs, sighted = self.view.inputs(
             candidates, found.hits or _EMPTY, now, self._wall(),
-            tail=(self.tracker.tail(previous, now, _held(found.hits, previous.replica))
-                  if previous is not None else None),
-            new_conversation=previous is None,
+            tail=tail, new_conversation=previous is None,
         )
         n_tokens = prompt.num_tokens if prompt is not None else 0
         block_size = prompt.block_size if prompt is not None else 1
@@ -490,11 +492,3 @@ class KvPolicy:
     def gauge_rows(self) -> Iterator[tuple[str, str, float]]:
         """Scrape-time gauge rows for ``KvMetrics`` (horizon, rate, load terms, trust)."""
         yield from self.view.gauge_rows(self._clock())
-
-
-def _held(hits: PrefixHits | None, replica: ReplicaId) -> int | None:
-    """The leading blocks ``hits`` show on ``replica`` (``None``: no lookup)."""
-    if hits is None:
-        return None
-    hit = hits.by_replica.get(replica)
-    return hit.blocks if hit is not None else 0
