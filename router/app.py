@@ -66,6 +66,7 @@ from router.proxy import Proxy, Receive, Scope, Send
 from router.readiness import TaskCollector, readiness
 from router.replica_registry import ReplicaRegistry
 from router.tenancy import Access, check_endpoint
+from router.worker_peers import WorkerPeers
 
 __all__ = ["State", "create_app"]
 
@@ -118,6 +119,7 @@ def create_app(
     resolver: Resolver | None = None,
     sighup: bool = True,
     worker: int = 0,
+    peers: WorkerPeers | None = None,
 ) -> Starlette:
     """The router as an ASGI app.
 
@@ -127,7 +129,7 @@ def create_app(
     replaces the system DNS resolver of ``membership.dns``; ``sighup=False`` leaves
     SIGHUP alone (the membership file is still re-read when it changes).  ``worker`` is
     this process's index under ``kvroute serve --workers N`` (its admin listener is on
-    ``admin.port + worker``).
+    ``admin.port + worker``), ``peers`` where the workers meet (``router.outlook_peers``).
     """
     factories = dict(policy_factories if policy_factories is not None
                      else builtin_policy_factories())
@@ -176,7 +178,7 @@ def create_app(
             judge = _judgement_clock(clock, settings.time_scale, warp)
             ctx = PolicyContext(
                 settings=settings, replicas=replicas, load=load, metrics=metrics,
-                http=session, tasks=tasks, clock=judge, rng=the_rng,
+                http=session, tasks=tasks, clock=judge, rng=the_rng, peers=peers,
             )
             for service in service_list:
                 ctx.services[service.name] = await stack.enter_async_context(service.start(ctx))

@@ -14,10 +14,10 @@ the score's unit (prefill tokens):
    itself will find of its context when it comes back, if it runs there: a replica whose
    pool turns over slowly keeps it, one that churns does not.  Credited, when every
    candidate's free pool is known (a stale scrape must not decide between replicas).
-3. **Pool headroom**: the replica's pool must hold the request with everything this
-   router has in flight there.  Running requests pin their blocks (prompt and reply,
-   less the prefix every replica holds, which they share), so a request whose blocks do
-   not fit waits until enough of them finish.  Each request in flight is expected to
+3. **Pool headroom**: the replica's pool must hold the request with everything in
+   flight there.  Running requests pin their blocks (prompt and reply, less the prefix
+   every replica holds, which they share), so a request whose blocks do not fit waits
+   until enough of them finish.  Each request in flight is expected to
    finish after the mean residual of the service times seen so far, given how long it
    has already run (``router.service_times``); taken soonest first, the wait is the
    time until the ones that finish free the shortfall.  So a replica whose long
@@ -40,7 +40,10 @@ does) weighs them against the request's own tokens.
 
 Every input is learnt online from what the policy already sees (turns, receipts, the
 horizon estimator's allocation counts and pool); nothing is known until it has been
-seen, and an unknown term is zero.  Synchronous; times are passed in.
+seen, and an unknown term is zero.  Under ``kvroute serve --workers N`` each worker
+also learns the others' requests and finishes (``feed``, ``peer_routed``,
+``peer_finished``; ``router.outlook_peers``), so every worker's terms are the whole
+fleet's.  Synchronous; times are passed in.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvkeys.types import ReplicaId
 from prompt.keyer import Prompt
@@ -64,7 +68,7 @@ from router.scoring import ReplicaScore
 from router.service_times import ServiceTimes
 from router.think_times import Returning, ThinkTimes
 
-__all__ = ["FleetOutlook", "OutlookSettings", "OutlookTerms"]
+__all__ = ["FleetOutlook", "OutlookFeed", "OutlookSettings", "OutlookTerms"]
 
 _EWMA = 0.05
 """Weight of the newest observation in the reply-size mean."""
@@ -74,6 +78,24 @@ _TTFT_SAMPLES = 512
 _MAX_IN_FLIGHT = 65536
 CURVE_REFRESH_S = 0.5
 """How long a replica's displacement curve is used before it is computed again."""
+
+
+class OutlookFeed(Protocol):
+    """The other router workers, told of this worker's requests as the look ahead learns
+    them (``router.outlook_peers``), so each worker's look ahead sees the whole fleet's:
+    the pins of every request in flight, every paused conversation, the service times,
+    TTFTs and think times.  Times are durations, not timestamps: each worker receives
+    them on its own clock.  Must not block."""
+
+    def routed(self, request_id: str, session: str | None, replica: ReplicaId,
+               blocks: float, think_s: float | None) -> None:
+        """A request pinning ``blocks`` was sent to ``replica`` (``think_s``: its
+        session's pause before it, if known)."""
+
+    def finished(self, request_id: str, session: str | None, replica: ReplicaId,
+                 released: int | None, ttft_s: float | None,
+                 reply_tokens: int | None) -> None:
+        """That request finished, giving ``released`` blocks back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +138,11 @@ class FleetOutlook:
     def __init__(
         self, horizon: HorizonEstimator, settings: OutlookSettings = OutlookSettings(),
         *, prefill_tokens_per_s: float, alpha: float, beta: float,
-        idle_runs: IdleRuns | None = None,
+        idle_runs: IdleRuns | None = None, feed: OutlookFeed | None = None,
     ) -> None:
         self.settings = settings
+        self.feed = feed
+        """Where this router's requests and finishes are told to the other workers."""
         self.think_times = ThinkTimes()
         self.idle_runs = idle_runs if idle_runs is not None else IdleRuns()
         self._horizon = horizon
@@ -144,13 +168,29 @@ class FleetOutlook:
     ) -> None:
         """A request was sent to ``replica`` (``scores``: every candidate's), pinning its
         blocks there; a session's turn ends its pause (``paused_at``: when its previous
-        turn finished, if known)."""
+        turn finished, if known).  Told to the peers (``feed``)."""
         shared = min((s.expected_cached_tokens for s in scores), default=0.0)
         blocks = self.pinned_blocks(prompt.num_tokens, shared, prompt.block_size)
+        think_s = max(0.0, now - paused_at) if paused_at is not None else None
+        self._routed(request_id, session, replica, blocks, think_s, now)
+        if self.feed is not None:
+            self.feed.routed(request_id, session, replica, blocks, think_s)
+
+    def peer_routed(
+        self, request_id: str, session: str | None, replica: ReplicaId, blocks: float,
+        think_s: float | None, now: float,
+    ) -> None:
+        """Another worker routed a request (``OutlookFeed.routed``), received ``now``."""
+        self._routed(request_id, session, replica, blocks, think_s, now)
+
+    def _routed(
+        self, request_id: str, session: str | None, replica: ReplicaId, blocks: float,
+        think_s: float | None, now: float,
+    ) -> None:
         if session is not None:
             self.idle_runs.resumed(session)
-            if paused_at is not None:
-                self.think_times.returned(max(0.0, now - paused_at), now)
+            if think_s is not None:
+                self.think_times.returned(think_s, now)
         pinned = self._pinned.setdefault(replica, _Pinned())
         pinned.blocks += blocks
         pinned.sent[request_id] = (blocks, now)
@@ -164,7 +204,33 @@ class FleetOutlook:
         released: int | None, ttft_s: float | None, reply_tokens: int | None, now: float,
     ) -> None:
         """The request finished on ``replica``: unpin it, learn its service time, TTFT
-        and reply size, and start its session's pause."""
+        and reply size, and start its session's pause.  Told to the peers (``feed``)."""
+        self._finished(request_id, session, replica, released, ttft_s, reply_tokens, now)
+        if self.feed is not None:
+            self.feed.finished(request_id, session, replica, released, ttft_s, reply_tokens)
+
+    def peer_finished(
+        self, request_id: str, session: str | None, replica: ReplicaId,
+        released: int | None, ttft_s: float | None, reply_tokens: int | None, now: float,
+    ) -> None:
+        """A request another worker routed finished (``OutlookFeed.finished``), received
+        ``now``: as ``finished``, and its blocks return to the free pool estimate (the
+        session tracker does that for this worker's own)."""
+        if released:
+            self._horizon.observe_released(replica, released)
+        self._finished(request_id, session, replica, released, ttft_s, reply_tokens, now)
+
+    def peer_forgot(self, request_id: str) -> None:
+        """Another worker's request is no longer in flight there, though its finish
+        never arrived: drop its pins, learn nothing from it."""
+        sent = self._in_flight.pop(request_id, None)
+        if sent is not None:
+            self._unpin(sent[0], request_id, sent[1])
+
+    def _finished(
+        self, request_id: str, session: str | None, replica: ReplicaId,
+        released: int | None, ttft_s: float | None, reply_tokens: int | None, now: float,
+    ) -> None:
         sent = self._in_flight.pop(request_id, None)
         if sent is not None:
             self._unpin(sent[0], request_id, sent[1])

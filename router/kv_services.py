@@ -52,6 +52,7 @@ from router.kv_members import MemberIngestion
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_stack import Membership, open_kv_stack
 from router.metrics import RemoteRenderCollector
+from router.outlook_peers import OutlookPeers, PeerMessagesCollector
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.prompt_bounds import max_chars_per_token, prompt_chars, too_long
@@ -164,6 +165,8 @@ class KvServices:
     scraper: MetricsScraper | None
     ingestion: MemberIngestion | None
     resets: ReplicaResets = field(default_factory=ReplicaResets)
+    peers: OutlookPeers | None = None
+    """The other workers' look-ahead news (``kvroute serve --workers N``)."""
 
     def status(self, replica: ReplicaId) -> SourceStatus | None:
         """The event-source snapshot of ``replica``, if it has a source."""
@@ -275,8 +278,9 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 await _await_live(stack.ingestion, stack.specs, s.startup_sync_s)
             scraping = _start_scraper(ctx, horizon, running)
             try:
-                yield KvServices(prompts, stack.index, horizon, running.scraper,
-                                 stack.ingestion, resets)  # fmt: skip
+                async with _outlook_peers(ctx) as peers:
+                    yield KvServices(prompts, stack.index, horizon, running.scraper,
+                                     stack.ingestion, resets, peers)  # fmt: skip
             finally:
                 if scraping is not None:  # stopped before the stack closes the index
                     scraping.cancel()
@@ -287,6 +291,29 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 await worker.aclose()
         finally:
             ctx.metrics.registry.unregister(remote_counters)
+
+
+@asynccontextmanager
+async def _outlook_peers(ctx: PolicyContext) -> AsyncIterator[OutlookPeers | None]:
+    """Under ``--workers N`` with several workers: the look-ahead news exchanged with the
+    others (``router.outlook_peers``), its two loops owned here and stopped before the
+    sockets close."""
+    if ctx.peers is None or ctx.peers.workers < 2:
+        yield None
+        return
+    peers = OutlookPeers(ctx.peers, ctx.clock)
+    counters = PeerMessagesCollector(peers)
+    ctx.metrics.registry.register(counters)
+    loops = [ctx.tasks.supervise(peers.run, name="outlook-peers"),
+             ctx.tasks.supervise(peers.run_sync, name="outlook-peers-sync")]
+    try:
+        yield peers
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        peers.close()
+        ctx.metrics.registry.unregister(counters)
 
 
 def _block_size_check(s: ScoringSettings, registry: RendererRegistry, running: _Running,
@@ -455,6 +482,8 @@ def kv_factory(ctx: PolicyContext) -> KvPolicy:
         clock=ctx.clock,
         rng=ctx.rng,
     )
+    if svc.peers is not None:
+        svc.peers.attach(policy.outlook)
     ctx.metrics.kv.bind_state(_MemberRows(policy, replicas))
     # A replica that left, joined anew or restarted starts from nothing learnt.
     replicas.on_membership(lambda _change, replica: policy.forget(replica))

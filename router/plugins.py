@@ -39,6 +39,7 @@ from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.policy import Policy
 from router.replica_registry import ReplicaRegistry
+from router.worker_peers import WorkerPeers
 
 __all__ = [
     "PolicyContext",
@@ -64,6 +65,8 @@ class PolicyContext:
     rng: random.Random
     services: dict[str, Any] = field(default_factory=dict)
     """What each started ``Service`` yielded, by service name."""
+    peers: WorkerPeers | None = None
+    """The other workers of ``kvroute serve --workers N`` (``None``: one process)."""
 
 
 PolicyFactory = Callable[[PolicyContext], Policy]

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from router.config import RouterSettings
+    from router.worker_peers import WorkerPeers
 
 __all__ = ["run_server"]
 
@@ -19,14 +20,16 @@ __all__ = ["run_server"]
 _GC_YOUNG = 20_000
 
 
-def run_server(settings: RouterSettings, sock: socket.socket, *, worker: int = 0) -> int:
+def run_server(settings: RouterSettings, sock: socket.socket, *, worker: int = 0,
+               peers: WorkerPeers | None = None) -> int:
     """Serve the router app on ``sock`` until SIGINT/SIGTERM (graceful); 0 on a clean
-    run, 1 if it never started.  ``worker`` is the index under ``--workers``."""
+    run, 1 if it never started.  ``worker`` is the index under ``--workers``, ``peers``
+    where the workers meet."""
     import uvicorn
 
     from router.app import create_app
 
-    config = _uvicorn_config(create_app(settings, worker=worker), settings)
+    config = _uvicorn_config(create_app(settings, worker=worker, peers=peers), settings)
     if worker == 0:
         _log_start(settings, sock.getsockname()[1])
     server = uvicorn.Server(config)

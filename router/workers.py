@@ -18,6 +18,10 @@ What the workers share, and how:
 * **Load.**  Each worker counts its own in-flight requests and reads the replicas'
   ``/metrics`` (queue, running requests) that show everyone's load; the other workers'
   requests count as foreign load there.
+* **The kv policy's look ahead.**  Each worker tells the others of the requests it
+  routes and that finish, over IPC sockets in a directory the supervisor creates for
+  them (``router.outlook_peers``), so every worker forecasts pool space and evictions
+  from the whole fleet's requests, not its own share.
 * **Session affinity.**  The consistent-hash ring is a pure function of the member ids,
   so every worker pins a session key to the same replica.  Session tables (think time,
   prefix breaks) are per worker: a conversation's turns may land on different workers,
@@ -41,8 +45,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from multiprocessing.process import BaseProcess
@@ -50,6 +56,7 @@ from types import FrameType
 from typing import Any
 
 from router.listen import bind_socket
+from router.worker_peers import WorkerPeers
 
 __all__ = ["reuseport_socket", "run_workers"]
 
@@ -71,7 +78,7 @@ def reuseport_socket(host: str, port: int, *, listen: bool = True) -> socket.soc
     return bind_socket(host, port, reuse_port=True, listen=listen)
 
 
-def _worker(data: dict[str, Any], index: int) -> None:
+def _worker(data: dict[str, Any], index: int, peers: WorkerPeers) -> None:
     """One worker process: the router app on the shared port."""
     from router.config import RouterSettings
     from router.serving import run_server
@@ -84,7 +91,7 @@ def _worker(data: dict[str, Any], index: int) -> None:
     # queues a connection on a worker that is still starting (or that fails to start).
     sock = reuseport_socket(settings.host, settings.port, listen=False)
     _stop_with_parent(os.getppid())
-    code = run_server(settings, sock, worker=index)
+    code = run_server(settings, sock, worker=index, peers=peers)
     raise SystemExit(_NEVER_STARTED if code == 1 else code)
 
 
@@ -107,6 +114,7 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
     ``data`` is the validated settings as JSON-ready data (re-validated in each worker)."""
     reservation = reuseport_socket(host, port, listen=False)
     port = reservation.getsockname()[1]
+    meeting = tempfile.mkdtemp(prefix="kvroute-workers-")  # mode 0700: theirs alone
     data = {**data, "port": port}
     ctx = multiprocessing.get_context("spawn")
     procs: list[BaseProcess | None] = [None] * workers
@@ -116,7 +124,8 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
     failed = False
 
     def start(i: int) -> None:
-        p = ctx.Process(target=_worker, args=(data, i), name=f"kvroute-worker-{i}")
+        p = ctx.Process(target=_worker, args=(data, i, WorkerPeers(meeting, i, workers)),
+                        name=f"kvroute-worker-{i}")
         p.start()
         procs[i] = p
         started[i] = time.monotonic()
@@ -168,6 +177,7 @@ def run_workers(data: dict[str, Any], host: str, port: int, workers: int,
         for s, handler in previous.items():
             signal.signal(s, handler)
         reservation.close()
+        shutil.rmtree(meeting, ignore_errors=True)
 
 
 def _signal_all(procs: list[BaseProcess | None], signum: int) -> None:

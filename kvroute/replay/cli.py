@@ -87,6 +87,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="router processes, each with its own policy state, every request "
                         "dealt to one at random (kvroute serve --workers N; "
                         "kvroute.replay.loop)")
+    f.add_argument("--no-shared-outlook", action="store_true",
+                   help="with --routers N: the routers share only the index and the "
+                        "scrapes (several kvroute serve on one Redis index), not the kv "
+                        "look ahead's news (kvroute serve --workers N; "
+                        "router.outlook_peers)")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
                    help="comma-separated policies to replay; each may change scoring "
                         "settings, kv/pool_headroom=false/future_weight=0.5 "
@@ -157,7 +162,7 @@ def _plan(args: argparse.Namespace) -> SeedPlan:
         num_blocks=tuple(int(v) for v in args.num_blocks.split(",") if v.strip()),
         namings=max(1, args.namings), sessions=args.sessions, max_tokens=args.max_tokens,
         replicas=args.replicas, block_size=args.block_size, profile=args.profile,
-        routers=args.routers, windows=windows,
+        routers=args.routers, shared_outlook=not args.no_shared_outlook, windows=windows,
     )
 
 
@@ -202,7 +207,8 @@ async def _sweep(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
         for naming in range(max(1, args.namings)):
             cfg = ReplayConfig(replicas=base.replicas, num_blocks=nb,
                                block_size=base.block_size, profile=base.profile,
-                               naming=naming, routers=args.routers)
+                               naming=naming, routers=args.routers,
+                               shared_outlook=not args.no_shared_outlook)
             for spec in specs:
                 policy = spec.label
                 run = await replay_run(spec.name, requests, spec.config(cfg))

@@ -30,8 +30,12 @@ entries and horizon estimator (fed the same allocations and scrapes), and all re
 one index.  Each knows its own requests in flight, and of the others' what the scrapes
 show, as in production: every ``scrape.interval_s`` each replica's waiting and running
 requests (the scheduler's queues) reach every router, which counts what exceeds its
-own as foreign load (``router.scoring.foreign_load``).  With one router the scrape's
-load is not modelled (it would be the router's own).
+own as foreign load (``router.scoring.foreign_load``).  ``kv`` routers also tell each
+other what their look ahead learns (requests routed and finished: pins, paused
+conversations, service times), as the workers of ``kvroute serve --workers N`` do
+(``router.outlook_peers``), unless ``ReplayConfig.shared_outlook`` is false (several
+routers on one Redis index).  With one router the scrape's load is not modelled (it
+would be the router's own).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from replica.sim.profiles import get_profile
 from replica.sim.scheduler import SimRequest
 from router.affinity import AffinityRing
 from router.config import ScoringSettings
+from router.fleet_outlook import FleetOutlook
 from router.horizon import HorizonEstimator, PoolSample
 from router.kv_policy import KvPolicy
 from router.kv_services import kv_config
@@ -93,6 +98,12 @@ class ReplayConfig:
     at random (seeded by ``seed`` and ``naming``), as the kernel deals a new connection
     to one of the workers.
     They share the index, which each fills from every replica's events."""
+    shared_outlook: bool = True
+    """With several ``kv`` routers, each tells the others of its requests as they are
+    routed and finish, so every router's look ahead sees the whole fleet's, as
+    ``kvroute serve --workers N``'s workers do (``router.outlook_peers``; here delivered
+    at once).  ``False``: routers that share only the index and the scrapes (several
+    ``kvroute serve`` on one Redis index)."""
     naming: int = 0
     """Which names the replicas get: 0 names them ``r0`` to ``rN-1``, another value
     another set of names.  Consistent-hash rings (the session policy's pins, the kv
@@ -136,6 +147,28 @@ class Served:
     def ok(self) -> bool:
         """Served without error."""
         return self.error is None
+
+
+class _PeerFeed:
+    """``OutlookFeed`` to the other routers' look aheads, delivered at once (as
+    ``router.outlook_peers`` delivers them between workers, in well under a
+    millisecond)."""
+
+    def __init__(self, peers: list[FleetOutlook], clock: Callable[[], float]) -> None:
+        self._peers = peers
+        self._clock = clock
+
+    def routed(self, request_id: str, session: str | None, replica: ReplicaId,
+               blocks: float, think_s: float | None) -> None:
+        for peer in self._peers:
+            peer.peer_routed(request_id, session, replica, blocks, think_s, self._clock())
+
+    def finished(self, request_id: str, session: str | None, replica: ReplicaId,
+                 released: int | None, ttft_s: float | None,
+                 reply_tokens: int | None) -> None:
+        for peer in self._peers:
+            peer.peer_finished(request_id, session, replica, released, ttft_s, reply_tokens,
+                               self._clock())
 
 
 class _Prompts:
@@ -220,6 +253,11 @@ class _Replay:
                          cfg.seed + k, self.scrapes)
             for k, load in enumerate(self.loads)]
         self.horizons = [p.horizon for p in self.policies if isinstance(p, KvPolicy)]
+        kv = [p for p in self.policies if isinstance(p, KvPolicy)]
+        if len(kv) > 1 and cfg.shared_outlook:
+            for one in kv:
+                one.outlook.feed = _PeerFeed([q.outlook for q in kv if q is not one],
+                                             lambda: self.now)
         self.dealer = random.Random(f"routers {cfg.seed} {cfg.naming}")
         self.scrape_s = s.scrape.interval_s
         self.pending: dict[str, _Pending] = {}

@@ -141,6 +141,8 @@ class SeedPlan:
     profile: str = "llama-3.1-8b-h100"
     routers: int = 1
     """Router processes in front of each fleet (``ReplayConfig.routers``)."""
+    shared_outlook: bool = True
+    """``ReplayConfig.shared_outlook``."""
     windows: TraceWindows | None = None
     """A block-hash trace cut into windows, one per seed, instead of the generated
     workload."""
@@ -190,7 +192,8 @@ async def _replay_seed(seed: int, plan: SeedPlan) -> list[SeedPoint]:
         for naming in range(max(1, plan.namings)):
             cfg = ReplayConfig(replicas=plan.replicas, num_blocks=nb,
                                block_size=plan.block_size, profile=plan.profile,
-                               naming=naming, routers=plan.routers)
+                               naming=naming, routers=plan.routers,
+                               shared_outlook=plan.shared_outlook)
             for spec in specs:
                 run = await replay_run(spec.name, requests, spec.config(cfg))
                 points.append(SeedPoint(seed, nb, naming, figures(spec.label, run.served),

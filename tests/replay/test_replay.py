@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from kvroute.replay.loop import ReplayConfig, Served, _Replay, replay
 from kvroute.replay.requests import ReplayRequest, from_hash_trace
 from kvroute.replay.seeds import SeedPlan, workload
 from kvroute.replay.summary import bounds_of, figures
+from router.kv_policy import KvPolicy
 
 SLICE = Path(__file__).parents[1] / "bench" / "data" / "mooncake_conversation_head300.jsonl"
 
@@ -205,3 +207,33 @@ async def test_several_routers_learn_each_others_queues_from_the_scrapes() -> No
     assert run.scrapes.latest(ReplicaId("r0"), last) is not None
     assert run.scrapes.latest(ReplicaId("r0"), last + 60.0) is None  # stale
     assert _Replay("kv", ReplayConfig(num_blocks=1024)).scrapes is None
+
+
+async def test_two_routers_share_their_look_ahead_unless_told_not_to() -> None:
+    """As ``kvroute serve --workers N``'s workers do (``router.outlook_peers``), each
+    router's look ahead hears of the other's requests: the pins of everything in flight
+    on the fleet, not of its own share.  ``shared_outlook=False``: routers that share
+    only the index and the scrapes."""
+    reqs = _requests()
+    for shared in (True, False):
+        run = _Replay("kv", ReplayConfig(num_blocks=1024, routers=2, shared_outlook=shared))
+        heard: Counter[int] = Counter()
+        policies = [p for p in run.policies if isinstance(p, KvPolicy)]
+        for k, policy in enumerate(policies):
+            routed = policy.outlook.peer_routed
+
+            def spy(*args: Any, k: int = k, routed: Any = routed,
+                    heard: Counter[int] = heard) -> None:
+                heard[k] += 1
+                routed(*args)
+
+            setattr(policy.outlook, "peer_routed", spy)  # noqa: B010
+        served = await run.run(reqs)
+        by_router = Counter(s.router for s in served)
+        if shared:
+            # each heard of every request the other routed
+            assert heard == {0: by_router[1], 1: by_router[0]}
+        else:
+            assert not heard
+        for policy in policies:
+            assert not policy.outlook._in_flight  # every pin released at the end

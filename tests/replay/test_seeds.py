@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvroute.cli import main
-from kvroute.replay.seeds import mean_interval, parse_seeds
+from kvroute.replay.seeds import SeedPlan, mean_interval, parse_seeds
 
 SLICE = Path(__file__).parents[1] / "bench" / "data" / "mooncake_conversation_head300.jsonl"
 
@@ -152,3 +152,18 @@ def test_kvroute_replay_refuses_seeds_it_cannot_read(
 ) -> None:
     assert main(["replay", "--seeds", "3-1"]) == 2
     assert "--seeds: not a range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-shared-outlook"]])
+def test_kvroute_replay_routers_share_the_look_ahead_unless_told_not_to(
+    flag: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plans: list[SeedPlan] = []
+
+    def run_seeds(seeds: Any, plan: SeedPlan, *, jobs: int = 1) -> list[Any]:
+        plans.append(plan)
+        return []
+
+    monkeypatch.setattr("kvroute.replay.seeds.run_seeds", run_seeds)
+    main(["replay", "--seeds", "0-1", "--routers", "2", "--policies", "kv", *flag])
+    assert [(p.routers, p.shared_outlook) for p in plans] == [(2, not flag)]

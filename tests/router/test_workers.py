@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, contextmanager
@@ -88,6 +89,11 @@ async def requests_served(http: aiohttp.ClientSession, admin: str) -> float:
     return sum(v for (name, _), v in m.items() if name == "router_requests_total")
 
 
+def _meeting_places() -> set[Path]:
+    """The directories supervisors made for their workers (``router.worker_peers``)."""
+    return set(Path(tempfile.gettempdir()).glob("kvroute-workers-*"))
+
+
 def children(pid: int) -> list[int]:
     """The worker processes of supervisor ``pid`` (not multiprocessing's helpers)."""
     try:
@@ -127,6 +133,7 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
     http = await stack.enter_async_context(aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(force_close=True),
         timeout=aiohttp.ClientTimeout(total=30)))
+    before = _meeting_places()
     with serve_workers(config, tmp_path, port) as proc:
         await ready(http, url, proc, admins)
         assert len(children(proc.pid)) == 2
@@ -149,6 +156,14 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
                 assert (await resp.json())["worker"] == i
         served = [await requests_served(http, a) for a in admins]
         assert all(n > 0 for n in served) and sum(served) == 30, served
+        # each worker's look ahead hears of the other's requests (router.outlook_peers),
+        # over sockets in a directory the supervisor made for them
+        for admin in admins:
+            m = await scrape(http, admin)
+            assert m[("router_outlook_peer_messages_total", (("outcome", "applied"),))] > 0
+            assert m[("router_outlook_peer_messages_total", (("outcome", "invalid"),))] == 0
+        meeting = [p for p in _meeting_places() - before if any(p.glob("outlook-*"))]
+        assert len(meeting) == 1
         later = [c.turns[i] for c in convs for i in range(1, 5)]
         # whichever worker routes a turn, it predicts what the replica then reports
         assert sum(t.predicted == t.cached for t in later) >= 0.95 * len(later), [
@@ -167,6 +182,7 @@ async def test_two_workers_serve_keep_predictions_exact_and_stop_cleanly(
         assert not any(os.path.exists(f"/proc/{k}") and _alive(k) for k in kids)
         with pytest.raises(aiohttp.ClientConnectionError):
             await http.get(url + "/health")
+        assert not any(p.exists() for p in meeting)  # the supervisor removed it
 
 
 async def test_sigterm_lets_in_flight_streams_finish_on_every_worker(
@@ -233,6 +249,7 @@ async def test_workers_stop_when_the_supervisor_is_killed(
     url = f"http://127.0.0.1:{port}"
     http = await stack.enter_async_context(aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=10)))
+    before = _meeting_places()
     with serve_workers(config, tmp_path, port) as proc:
         await ready(http, url, proc, [])
         workers = children(proc.pid)
@@ -243,3 +260,5 @@ async def test_workers_stop_when_the_supervisor_is_killed(
         while any(_alive(w) for w in workers):
             assert time.monotonic() < deadline, "a worker outlived its supervisor"
             await asyncio.sleep(0.1)
+    # the last worker out removed the directory the supervisor made for them
+    assert not _meeting_places() - before
