@@ -237,19 +237,26 @@ async def measure(replica_ports: list[int], router_port: int, phase_s: float, ro
 
 # --------------------------------------------------------------------------- profile
 _COMPONENTS = (
-    ("HTTP server", ("uvicorn/", "httptools", "starlette/", "h11/")),
+    ("HTTP server", ("uvicorn/", "httptools", "starlette/", "h11/", "router/conn_guard")),
     ("upstream client", ("aiohttp/", "yarl/", "multidict/", "aiohappyeyeballs")),
     ("rendering", ("prompt/render", "prompt/template", "prompt/chat", "prompt/message",
                    "prompt/tokenizer", "prompt/segments", "prompt/turns", "prompt/plain",
-                   "prompt/registry", "jinja2/", "tokenizers/")),
+                   "prompt/registry", "prompt/conversation", "prompt/words",
+                   "prompt/added_tokens", "prompt/token_ids", "(<template>", "jinja2/",
+                   "tokenizers/", "router/kv_services")),
     ("hashing", ("kvkeys/", "prompt/keyer", "xxhash")),
     ("index", ("index/",)),
     ("scoring", ("router/kv_", "router/scoring", "router/horizon", "router/affinity",
                  "router/session", "router/provisional", "router/receipts",
-                 "router/prefix_breaks", "uhashring/")),
+                 "router/prefix_breaks", "router/replica_view", "router/fleet_outlook",
+                 "router/displacement", "router/think_times", "router/idle_runs",
+                 "router/move_cost", "router/service_times", "router/decision_counts",
+                 "uhashring/")),
     ("metrics", ("router/metrics", "router/index_metrics", "prometheus_client/")),
-    ("JSON + request parsing", ("router/request", "orjson", "json/")),
-    ("proxy", ("router/proxy", "router/usage", "router/load", "router/app")),
+    ("JSON + request parsing", ("router/request", "router/validate", "orjson", "json/",
+                                "msgspec")),
+    ("proxy", ("router/proxy", "router/relay", "router/usage", "router/load",
+               "router/app", "router/policy")),
     ("event loop", ("asyncio/", "uvloop/")),
 )
 
@@ -262,10 +269,22 @@ def component(frame: str) -> str:
     return "other"
 
 
+def stack_component(stack: str) -> str:
+    """The component of a py-spy stack (frames outermost first, ``;``-separated): its
+    innermost frame's, or, where that is no component's (a dataclass's generated
+    ``__init__``, the standard library's ``enum`` or ``typing``), the nearest caller's
+    that is."""
+    for frame in reversed(stack.split(";")):
+        name = component(frame)
+        if name != "other":
+            return name
+    return "other"
+
+
 def profile(py_spy: str, router_pid: int, router_port: int, replica_ports: list[int],
             seconds: float, out: Path) -> dict[str, float]:
     """Sample the router under ``kv`` load; returns each component's share of the
-    samples (by the innermost Python frame)."""
+    samples (``stack_component``)."""
     import uvloop
 
     raw = out.with_suffix(".pyspy.txt")
@@ -281,7 +300,7 @@ def profile(py_spy: str, router_pid: int, router_port: int, replica_ports: list[
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        counts[component(stack.split(";")[-1])] += int(n)
+        counts[stack_component(stack)] += int(n)
     total = sum(counts.values()) or 1
     return {k: v / total for k, v in counts.most_common()}
 

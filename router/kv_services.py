@@ -52,7 +52,7 @@ from router.kv_members import MemberIngestion
 from router.kv_policy import KvConfig, KvPolicy
 from router.kv_stack import Membership, open_kv_stack
 from router.metrics import RemoteRenderCollector
-from router.outlook_peers import OutlookPeers, PeerMessagesCollector
+from router.outlook_peers import OutlookPeers, open_outlook_peers
 from router.plugins import PolicyContext, Service
 from router.policy import RouteRequest
 from router.prompt_bounds import max_chars_per_token, prompt_chars, too_long
@@ -278,7 +278,8 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 await _await_live(stack.ingestion, stack.specs, s.startup_sync_s)
             scraping = _start_scraper(ctx, horizon, running)
             try:
-                async with _outlook_peers(ctx) as peers:
+                async with open_outlook_peers(ctx.peers, clock=ctx.clock, tasks=ctx.tasks,
+                                              registry=ctx.metrics.registry) as peers:
                     yield KvServices(prompts, stack.index, horizon, running.scraper,
                                      stack.ingestion, resets, peers)  # fmt: skip
             finally:
@@ -291,29 +292,6 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 await worker.aclose()
         finally:
             ctx.metrics.registry.unregister(remote_counters)
-
-
-@asynccontextmanager
-async def _outlook_peers(ctx: PolicyContext) -> AsyncIterator[OutlookPeers | None]:
-    """Under ``--workers N`` with several workers: the look-ahead news exchanged with the
-    others (``router.outlook_peers``), its two loops owned here and stopped before the
-    sockets close."""
-    if ctx.peers is None or ctx.peers.workers < 2:
-        yield None
-        return
-    peers = OutlookPeers(ctx.peers, ctx.clock)
-    counters = PeerMessagesCollector(peers)
-    ctx.metrics.registry.register(counters)
-    loops = [ctx.tasks.supervise(peers.run, name="outlook-peers"),
-             ctx.tasks.supervise(peers.run_sync, name="outlook-peers-sync")]
-    try:
-        yield peers
-    finally:
-        for task in loops:
-            task.cancel()
-        await asyncio.gather(*loops, return_exceptions=True)
-        peers.close()
-        ctx.metrics.registry.unregister(counters)
 
 
 def _block_size_check(s: ScoringSettings, registry: RendererRegistry, running: _Running,

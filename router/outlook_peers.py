@@ -34,19 +34,22 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from aio.task_owner import TaskOwner
 from kvkeys.types import ReplicaId
 from router.fleet_outlook import FleetOutlook
 from router.worker_peers import WorkerPeers
 
-__all__ = ["SYNC_S", "OutlookPeers", "PeerMessagesCollector"]
+__all__ = ["SYNC_S", "OutlookPeers", "PeerMessagesCollector", "open_outlook_peers"]
 
 _log = logging.getLogger(__name__)
 
@@ -192,6 +195,32 @@ class OutlookPeers:
             os.unlink(self.peers.path(self.peers.worker))
         with contextlib.suppress(OSError):  # not empty: another worker is still there
             os.rmdir(self.peers.directory)
+
+
+@asynccontextmanager
+async def open_outlook_peers(
+    peers: WorkerPeers | None, *, clock: Callable[[], float], tasks: TaskOwner,
+    registry: CollectorRegistry,
+) -> AsyncIterator[OutlookPeers | None]:
+    """Under ``--workers N`` with several workers (``peers``): the bus to the others,
+    its two loops owned by ``tasks`` and stopped before the sockets close, its counters
+    in ``registry``; ``None`` for a single process."""
+    if peers is None or peers.workers < 2:
+        yield None
+        return
+    bus = OutlookPeers(peers, clock)
+    counters = PeerMessagesCollector(bus)
+    registry.register(counters)
+    loops = [tasks.supervise(bus.run, name="outlook-peers"),
+             tasks.supervise(bus.run_sync, name="outlook-peers-sync")]
+    try:
+        yield bus
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        bus.close()
+        registry.unregister(counters)
 
 
 def _str(v: object) -> str:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.kv_overhead import BLOCK_SIZE, CONVERSATIONS, TAILS, _stored_events, bodies, component
+from bench.kv_overhead import (
+    BLOCK_SIZE,
+    CONVERSATIONS,
+    TAILS,
+    _stored_events,
+    bodies,
+    component,
+    stack_component,
+)
 
 
 def test_bodies_are_next_turns_of_ten_turn_conversations() -> None:
@@ -40,6 +48,12 @@ def test_profile_frames_are_grouped_by_component() -> None:
     assert component("decide (router/kv_policy.py:3)") == "scoring"
     assert component("parse_body (router/request.py:116)") == "JSON + request parsing"
     assert component("mystery (elsewhere.py:1)") == "other"
+    # A frame of no component's (a dataclass's generated __init__, the standard
+    # library) counts for its nearest caller that has one.
+    assert stack_component("main (kvroute:1);decide (router/kv_policy.py:3);"
+                           "__init__ (<string>:2)") == "scoring"
+    assert stack_component("root (<template>:1);call (jinja2/sandbox.py:2)") == "rendering"
+    assert stack_component("a (elsewhere.py:1);b (enum.py:2)") == "other"
 
 
 async def test_the_fake_replicas_render_like_vllm_for_the_peers() -> None:
