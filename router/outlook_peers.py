@@ -18,6 +18,10 @@ and applies what they tell it:
   missed: a full queue, a worker that restarted), so a lost message costs a little
   foresight for a second, never a pin held forever.
 
+With it two routers' kv TTFT p99 at that pool is 488 ms against one router's 433 (24
+seeds; without it 1,607), and through HTTP two workers' 350 ms against 1,776 (one
+worker 265; README, "A fleet that changes").
+
 Times travel as durations, never timestamps: each worker applies a message on its own
 clock when it arrives (under a millisecond after it was sent).
 

@@ -49,13 +49,13 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
 from router.listen import bind_socket
+from router.parent_watch import stop_with_parent
 from router.worker_peers import WorkerPeers
 
 __all__ = ["reuseport_socket", "run_workers"]
@@ -90,21 +90,10 @@ def _worker(data: dict[str, Any], index: int, peers: WorkerPeers) -> None:
     # Bound, not listening: uvicorn listens once the app has started, so the kernel never
     # queues a connection on a worker that is still starting (or that fails to start).
     sock = reuseport_socket(settings.host, settings.port, listen=False)
-    _stop_with_parent(os.getppid())
+    # A worker must never keep serving the port unsupervised (a SIGKILLed supervisor).
+    stop_with_parent(os.getppid(), poll_s=_PARENT_POLL_S)
     code = run_server(settings, sock, worker=index, peers=peers)
     raise SystemExit(_NEVER_STARTED if code == 1 else code)
-
-
-def _stop_with_parent(parent: int) -> None:
-    """Shut this worker down gracefully (SIGTERM to itself) once the supervisor is gone,
-    even killed with SIGKILL: a worker must never keep serving the port unsupervised."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="kvroute-parent-watch", daemon=True).start()
 
 
 def run_workers(data: dict[str, Any], host: str, port: int, workers: int,

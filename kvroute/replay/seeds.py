@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import random
 import statistics
 import tempfile
@@ -52,6 +53,7 @@ from kvroute.replay.summary import (
     pooled_lru_share,
     signed_points,
 )
+from router.parent_watch import stop_with_parent
 
 __all__ = ["SeedPlan", "SeedPoint", "TraceWindows", "format_seeds", "mean_interval",
            "parse_seeds", "replay_seed", "run_seeds", "workload"]
@@ -213,8 +215,10 @@ def run_seeds(seeds: Sequence[int], plan: SeedPlan, *, jobs: int = 1) -> list[Se
     if jobs <= 1 or len(seeds) <= 1:
         return [p for seed in seeds for p in replay_seed(seed, plan)]
     # Spawned, not forked: the parent may hold threads (the tokenizer's, asyncio's).
+    # Each job stops when this process is gone, killed or not (a seed takes minutes).
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(seeds)), mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=min(jobs, len(seeds)), mp_context=ctx,
+                             initializer=stop_with_parent, initargs=(os.getpid(),)) as pool:
         per_seed = list(pool.map(replay_seed, seeds, [plan] * len(seeds)))
     return [p for points in per_seed for p in points]
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +170,26 @@ def test_kvroute_replay_routers_share_the_look_ahead_unless_told_not_to(
     monkeypatch.setattr("kvroute.replay.seeds.run_seeds", run_seeds)
     main(["replay", "--seeds", "0-1", "--routers", "2", "--policies", "kv", *flag])
     assert [(p.routers, p.shared_outlook) for p in plans] == [(2, not flag)]
+
+
+def test_replay_jobs_stop_when_the_command_is_killed() -> None:
+    """``kvroute replay --jobs N`` killed (SIGKILL: nothing passed on) leaves no job
+    computing for nobody: each job stops once its parent is gone."""
+    from tests.router.test_workers import _alive, children
+
+    script = ("from kvroute.replay.seeds import SeedPlan, run_seeds; "
+              "run_seeds([0, 1], SeedPlan(policies=('kv',), num_blocks=(600, 1024, 2048), "
+              "namings=3), jobs=2)")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while len(jobs := children(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no jobs started"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(j) for j in jobs):
+        assert time.monotonic() < deadline, "a replay job outlived the command"
+        time.sleep(0.1)
