@@ -262,3 +262,48 @@ async def test_workers_stop_when_the_supervisor_is_killed(
             await asyncio.sleep(0.1)
     # the last worker out removed the directory the supervisor made for them
     assert not _meeting_places() - before
+
+
+async def test_a_restarted_worker_hears_and_is_heard_by_the_others(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    """A worker killed and restarted by the supervisor binds its socket again where the
+    dead one's file was left, and both workers hear each other's news again (the list of
+    requests in flight goes out every second whatever the policy)."""
+    fake = await stack.enter_async_context(FakeReplica("r0"))
+    port = free_port()
+    admin_port = free_ports(2, consecutive=True)[0]
+    config = {"replicas": [{"url": fake.url, "id": "r0"}], "policy": "round_robin",
+              "admin": {"enabled": True, "port": admin_port}}
+    url = f"http://127.0.0.1:{port}"
+    admins = [f"http://127.0.0.1:{admin_port + i}" for i in range(2)]
+    http = await stack.enter_async_context(aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=10)))
+
+    async def heard(admin: str) -> float:
+        m = await scrape(http, admin)
+        return m[("router_outlook_peer_messages_total", (("outcome", "applied"),))]
+
+    async def hears_more(admin: str) -> None:
+        start = await heard(admin)
+        deadline = time.monotonic() + 20
+        while await heard(admin) <= start:
+            assert time.monotonic() < deadline, f"{admin} hears nothing from the other"
+            await asyncio.sleep(0.2)
+
+    with serve_workers(config, tmp_path, port) as proc:
+        await ready(http, url, proc, admins)
+        await hears_more(admins[1])
+        for i, admin in enumerate(admins):
+            async with http.get(admin + "/admin/replicas") as resp:
+                assert (await resp.json())["worker"] == i
+        first = children(proc.pid)
+        victim = first[0]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while len([p for p in children(proc.pid) if p != victim]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no restart"
+            await asyncio.sleep(0.2)
+        await ready(http, url, proc, admins)
+        for admin in admins:  # the restarted one and the survivor alike
+            await hears_more(admin)
