@@ -28,7 +28,8 @@ clock when it arrives (under a millisecond after it was sent).
 Transport: ZMQ PUB/SUB over IPC sockets in a directory only the supervisor's workers
 use (``router.worker_peers``, created with mode 0700 by ``router.workers``): worker
 ``i`` publishes on ``outlook-i`` and subscribes to every other worker's.  Messages are
-msgpack arrays.  A send never blocks (a PUB socket drops what a slow subscriber cannot
+msgpack arrays (tagged, positional msgspec structs: a message of the wrong shape or
+types fails to decode).  A send never blocks (a PUB socket drops what a slow subscriber cannot
 take); a message that does not decode is counted and skipped.
 """
 
@@ -61,6 +62,30 @@ SYNC_S = 1.0
 """How often a worker lists its requests in flight to the others."""
 _HWM = 100_000
 """Messages queued per peer before the PUB socket drops (a peer stalled that long)."""
+
+
+class _Routed(msgspec.Struct, array_like=True, tag="r", frozen=True):
+    sender: int
+    request_id: str
+    session: str | None
+    replica: str
+    blocks: float
+    think_s: float | None
+
+
+class _Finished(msgspec.Struct, array_like=True, tag="f", frozen=True):
+    sender: int
+    request_id: str
+    session: str | None
+    replica: str
+    released: int | None
+    ttft_s: float | None
+    reply_tokens: int | None
+
+
+class _InFlight(msgspec.Struct, array_like=True, tag="s", frozen=True):
+    sender: int
+    request_ids: list[str]
 
 
 class PeerMessagesCollector:
@@ -105,7 +130,7 @@ class OutlookPeers:
             if w != peers.worker:
                 self._sub.connect(peers.address(w))
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decode = msgspec.msgpack.Decoder().decode
+        self._decode = msgspec.msgpack.Decoder(_Routed | _Finished | _InFlight).decode
         self._outlook: FleetOutlook | None = None
         self._mine: set[str] = set()
         """This worker's requests in flight (what ``s`` lists)."""
@@ -124,17 +149,17 @@ class OutlookPeers:
                blocks: float, think_s: float | None) -> None:
         """This worker routed a request: tell the others."""
         self._mine.add(request_id)
-        self._send(("r", self.peers.worker, request_id, session, replica, blocks, think_s))
+        self._send(_Routed(self.peers.worker, request_id, session, replica, blocks, think_s))
 
     def finished(self, request_id: str, session: str | None, replica: ReplicaId,
                  released: int | None, ttft_s: float | None,
                  reply_tokens: int | None) -> None:
         """One of this worker's requests finished: tell the others."""
         self._mine.discard(request_id)
-        self._send(("f", self.peers.worker, request_id, session, replica, released, ttft_s,
-                    reply_tokens))
+        self._send(_Finished(self.peers.worker, request_id, session, replica, released,
+                             ttft_s, reply_tokens))
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: Any) -> None:
         self._pub.send(self._encode(message), zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ loops
@@ -144,7 +169,7 @@ class OutlookPeers:
             data = await self._sub.recv()
             try:
                 self.apply(data)
-            except (msgspec.DecodeError, ValueError, TypeError, IndexError) as exc:
+            except (msgspec.DecodeError, ValueError) as exc:
                 self.invalid += 1
                 _log.debug("outlook message from a peer skipped: %s", exc)
 
@@ -152,40 +177,32 @@ class OutlookPeers:
         """List this worker's requests in flight every ``SYNC_S``, until cancelled."""
         while True:
             await asyncio.sleep(SYNC_S)
-            self._send(("s", self.peers.worker, sorted(self._mine)))
+            self._send(_InFlight(self.peers.worker, sorted(self._mine)))
 
     def apply(self, data: bytes) -> None:
         """One peer message, on this worker's clock (raises on a malformed one)."""
         msg = self._decode(data)
-        if not isinstance(msg, list) or len(msg) < 3:
-            raise ValueError("not an outlook message")
-        kind, sender = msg[0], msg[1]
-        if not isinstance(sender, int) or sender == self.peers.worker:
-            raise ValueError(f"bad sender {sender!r}")
+        if msg.sender == self.peers.worker:
+            raise ValueError(f"a message from this worker ({msg.sender})")
         outlook = self._outlook
-        theirs = self._theirs.setdefault(sender, set())
+        theirs = self._theirs.setdefault(msg.sender, set())
         now = self._clock()
-        if kind == "r":
-            _, _, rid, session, replica, blocks, think_s = msg
-            theirs.add(_str(rid))
+        if isinstance(msg, _Routed):
+            theirs.add(msg.request_id)
             if outlook is not None:
-                outlook.peer_routed(_str(rid), _opt_str(session), ReplicaId(_str(replica)),
-                                    _num(blocks), _opt_num(think_s), now)
-        elif kind == "f":
-            _, _, rid, session, replica, released, ttft_s, reply_tokens = msg
-            theirs.discard(_str(rid))
+                outlook.peer_routed(msg.request_id, msg.session, ReplicaId(msg.replica),
+                                    msg.blocks, msg.think_s, now)
+        elif isinstance(msg, _Finished):
+            theirs.discard(msg.request_id)
             if outlook is not None:
-                outlook.peer_finished(_str(rid), _opt_str(session), ReplicaId(_str(replica)),
-                                      _opt_int(released), _opt_num(ttft_s),
-                                      _opt_int(reply_tokens), now)
-        elif kind == "s":
-            listed = {_str(rid) for rid in msg[2]}
+                outlook.peer_finished(msg.request_id, msg.session, ReplicaId(msg.replica),
+                                      msg.released, msg.ttft_s, msg.reply_tokens, now)
+        else:
+            listed = set(msg.request_ids)
             for rid in theirs - listed:
                 if outlook is not None:
                     outlook.peer_forgot(rid)
             theirs &= listed
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
         self.received += 1
 
     def close(self) -> None:
@@ -225,27 +242,3 @@ async def open_outlook_peers(
         await asyncio.gather(*loops, return_exceptions=True)
         bus.close()
         registry.unregister(counters)
-
-
-def _str(v: object) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _opt_str(v: object) -> str | None:
-    return None if v is None else _str(v)
-
-
-def _num(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise TypeError(f"expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _opt_num(v: object) -> float | None:
-    return None if v is None else _num(v)
-
-
-def _opt_int(v: object) -> int | None:
-    return None if v is None else int(_num(v))
