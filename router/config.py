@@ -201,6 +201,13 @@ class RedisIndexSettings(_Section):
     """Prefix of every key the index writes."""
     op_timeout_s: float = Field(default=0.05, gt=0)
     """One Redis operation; on timeout the router falls back to affinity."""
+    share_outlook: bool = True
+    """Share the ``kv`` policy's look ahead with the other routers on this index, over
+    the Redis channel ``<key_prefix>:outlook`` (``router.outlook_peers``): the requests
+    each routes and that finish, so each forecasts pool space and evictions from the
+    whole fleet's requests."""
+    outlook_timeout_s: float = Field(default=1.0, gt=0)
+    """One Redis call of the look-ahead channel (publish, subscribe, connect)."""
 
 
 IndexSettings = Annotated[MemoryIndexSettings | RedisIndexSettings, Field(discriminator="backend")]

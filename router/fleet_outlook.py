@@ -40,10 +40,10 @@ does) weighs them against the request's own tokens.
 
 Every input is learnt online from what the policy already sees (turns, receipts, the
 horizon estimator's allocation counts and pool); nothing is known until it has been
-seen, and an unknown term is zero.  Under ``kvroute serve --workers N`` each worker
-also learns the others' requests and finishes (``feed``, ``peer_routed``,
-``peer_finished``; ``router.outlook_peers``), so every worker's terms are the whole
-fleet's.  Synchronous; times are passed in.
+seen, and an unknown term is zero.  Under ``kvroute serve --workers N``, and between
+routers on one Redis index, each router also learns the others' requests and finishes
+(``feed``, ``peer_routed``, ``peer_finished``; ``router.outlook_peers``), so every
+router's terms are the whole fleet's.  Synchronous; times are passed in.
 """
 
 from __future__ import annotations

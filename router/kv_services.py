@@ -278,8 +278,11 @@ async def start_kv(ctx: PolicyContext) -> AsyncIterator[KvServices]:
                 await _await_live(stack.ingestion, stack.specs, s.startup_sync_s)
             scraping = _start_scraper(ctx, horizon, running)
             try:
-                async with open_outlook_peers(ctx.peers, clock=ctx.clock, tasks=ctx.tasks,
-                                              registry=ctx.metrics.registry) as peers:
+                async with open_outlook_peers(
+                    ctx.settings, ctx.peers, clock=ctx.clock, tasks=ctx.tasks,
+                    registry=ctx.metrics.registry,
+                    known=lambda r: ctx.replicas.get(r) is not None,
+                ) as peers:
                     yield KvServices(prompts, stack.index, horizon, running.scraper,
                                      stack.ingestion, resets, peers)  # fmt: skip
             finally:

@@ -2,9 +2,9 @@
 
 The supervisor (``router.workers``) creates a directory only its workers use (mode
 0700) and hands each worker a ``WorkerPeers``: that directory, the worker's index and
-the number of workers.  What the workers exchange there is ``router.outlook_peers``.
-The supervisor removes the directory when it stops; the last worker out removes it too
-(a supervisor killed with SIGKILL cannot).
+the number of workers.  What the workers exchange there is ``router.outlook_peers``
+(over ``router.outlook_ipc``).  The supervisor removes the directory when it stops;
+the last worker out removes it too (a supervisor killed with SIGKILL cannot).
 """
 
 from __future__ import annotations

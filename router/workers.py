@@ -20,8 +20,10 @@ What the workers share, and how:
   requests count as foreign load there.
 * **The kv policy's look ahead.**  Each worker tells the others of the requests it
   routes and that finish, over IPC sockets in a directory the supervisor creates for
-  them (``router.outlook_peers``), so every worker forecasts pool space and evictions
-  from the whole fleet's requests, not its own share.
+  them (``router.outlook_ipc``), or over the Redis index's channel when the index is in
+  Redis (``router.outlook_redis``: the other hosts' routers are on it too), so every
+  worker forecasts pool space and evictions from the whole fleet's requests, not its
+  own share (``router.outlook_peers``).
 * **Session affinity.**  The consistent-hash ring is a pure function of the member ids,
   so every worker pins a session key to the same replica.  Session tables (think time,
   prefix breaks) are per worker: a conversation's turns may land on different workers,

@@ -89,9 +89,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "kvroute.replay.loop)")
     f.add_argument("--no-shared-outlook", action="store_true",
                    help="with --routers N: the routers share only the index and the "
-                        "scrapes (several kvroute serve on one Redis index), not the kv "
-                        "look ahead's news (kvroute serve --workers N; "
-                        "router.outlook_peers)")
+                        "scrapes (kvroute serve on one Redis index with "
+                        "index.share_outlook: false), not the kv look ahead's news "
+                        "(router.outlook_peers)")
     p.add_argument("--policies", default="round_robin,least_loaded,session,kv",
                    help="comma-separated policies to replay; each may change scoring "
                         "settings, kv/pool_headroom=false/future_weight=0.5 "

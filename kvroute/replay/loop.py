@@ -33,8 +33,9 @@ requests (the scheduler's queues) reach every router, which counts what exceeds 
 own as foreign load (``router.scoring.foreign_load``).  ``kv`` routers also tell each
 other what their look ahead learns (requests routed and finished: pins, paused
 conversations, service times), as the workers of ``kvroute serve --workers N`` do
-(``router.outlook_peers``), unless ``ReplayConfig.shared_outlook`` is false (several
-routers on one Redis index).  With one router the scrape's load is not modelled (it
+and routers on one Redis index do (``router.outlook_peers``), unless
+``ReplayConfig.shared_outlook`` is false (routers that share only the index:
+``index.share_outlook: false``).  With one router the scrape's load is not modelled (it
 would be the router's own).
 """
 

@@ -15,6 +15,7 @@ from kvkeys.types import ReplicaId
 from prompt.keyer import Prompt
 from router.fleet_outlook import FleetOutlook, OutlookSettings
 from router.horizon import HorizonEstimator, PoolSample
+from router.outlook_ipc import IpcTransport
 from router.outlook_peers import OutlookPeers
 from router.worker_peers import WorkerPeers
 
@@ -45,14 +46,15 @@ async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
     made = []
     for i in range(2):
         out, h = _outlook()
-        peers = OutlookPeers(WorkerPeers(str(tmp_path), i, 2), lambda: now[0])
+        peers = OutlookPeers(IpcTransport(WorkerPeers(str(tmp_path), i, 2)), i,
+                             lambda: now[0])
         peers.attach(out)
         made.append(_Worker(out, h, peers))
     loops = [asyncio.create_task(w.peers.run()) for w in made]
     try:
         for sender, hearer in ((made[0].peers, made[1].peers), (made[1].peers, made[0].peers)):
             await _until(partial(_heard, hearer),
-                         partial(sender._send, ("s", sender.peers.worker, [])))
+                         partial(sender._send, ("s", sender.sender, [])))
         for w in made:
             w.peers.received = 0
         yield made
@@ -61,7 +63,7 @@ async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         for w in made:
-            w.peers.close()
+            await w.peers.transport.aclose()
 
 
 async def _until(done: Callable[[], bool], poke: Callable[[], object] = lambda: None,
@@ -130,7 +132,7 @@ async def test_a_malformed_message_is_counted_and_the_loop_goes_on(
 ) -> None:
     w0, w1 = workers
     for junk in (b"\xc1", b"\x93\xa1r\x00\xa1x", b"\x92\xa1q\x00"):
-        w0.peers._pub.send(junk)
+        w0.peers.transport.send(junk)
     w0.peers._send(("r", 1, "x", None, "a", 1.0, None))  # it claims to come from worker 1
     w0.peers._send(("r", 0, "x", None, "a", "many", None))  # blocks not a number
     w0.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
