@@ -29,6 +29,8 @@ class IpcTransport:
     """``PeerTransport`` over the workers' IPC sockets."""
 
     hears_itself = False
+    dropped = None
+    """Not counted: a PUB socket drops what a stalled subscriber cannot take, silently."""
 
     def __init__(self, peers: WorkerPeers) -> None:
         self.peers = peers

@@ -111,6 +111,10 @@ class PeerTransport(Protocol):
     hears_itself: bool
     """Whether this router receives its own messages (a pub/sub channel everyone,
     this router included, subscribes to)."""
+    @property
+    def dropped(self) -> int | None:
+        """Messages not sent (a full queue, the bus away); ``None``: not counted (a ZMQ
+        PUB socket drops what a stalled subscriber cannot take without telling)."""
 
     def send(self, data: bytes) -> None:
         """Publish ``data`` to the other routers; never blocks, may drop."""
@@ -127,8 +131,9 @@ class PeerTransport(Protocol):
 
 class PeerMessagesCollector:
     """``router_outlook_peer_messages_total{outcome}`` (the peers' messages this router
-    applied or skipped as invalid) and ``router_outlook_peers`` (the peers heard from
-    within ``PEER_SILENCE_S``), read at scrape time."""
+    applied or skipped as invalid), ``router_outlook_peers`` (the peers heard from
+    within ``PEER_SILENCE_S``) and, where the transport counts them,
+    ``router_outlook_peer_sends_dropped_total``; read at scrape time."""
 
     def __init__(self, peers: OutlookPeers) -> None:
         self._peers = peers
@@ -144,6 +149,11 @@ class PeerMessagesCollector:
         family.add_metric(["applied"], self._peers.received)
         family.add_metric(["invalid"], self._peers.invalid)
         yield family
+        dropped = self._peers.transport.dropped
+        if dropped is not None:
+            yield CounterMetricFamily(
+                "router_outlook_peer_sends_dropped", "Look-ahead messages this router "
+                "could not send to the others (queue full, or Redis away)", value=dropped)
         yield GaugeMetricFamily("router_outlook_peers", "Other routers whose look-ahead "
                                 "news this router hears", value=len(self._peers.heard))
 

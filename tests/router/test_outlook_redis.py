@@ -191,7 +191,7 @@ async def test_the_bus_survives_redis_going_away_and_talks_again_when_it_is_back
     # routing goes on: sends queue (then drop), nothing raises, the loops keep running
     for i in range(20):
         r0.outlook.routed(f"lost-{i}", None, A, _prompt(16), [], None, 100.0)
-    await asyncio.sleep(1.5)
+    await _until(lambda: (r0.peers.transport.dropped or 0) > 0)  # counted, not queued
     assert all(not t.done() for r in (r0, r1) for t in r.loops)
     redis_server_factory(port)
     r0.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
@@ -250,6 +250,9 @@ async def test_two_routers_on_one_redis_index_hear_each_other_and_forget_a_dead_
         assert loop.time() < deadline, seen
         await asyncio.sleep(0.2)
     assert all(invalid == 0 for _, _, invalid in seen)
+    for admin in admins:
+        m = await scrape(http, admin)
+        assert m[("router_outlook_peer_sends_dropped_total", ())] == 0
     procs[0].kill()
     killed_at = loop.time()
     while (await peers(admins[1]))[0] != 0.0:
