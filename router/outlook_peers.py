@@ -28,8 +28,9 @@ Times travel as durations, never timestamps: each router applies a message on it
 clock when it arrives.  A peer's request ids are its own (a client may send the same
 ``x-request-id`` to two routers), so they are kept apart from this router's.  A message
 must decode as one of the three (tagged, positional msgspec structs over msgpack, with
-bounded sizes and finite, non-negative numbers) and name a replica this router knows;
-anything else is counted and skipped.
+bounded sizes and finite, non-negative numbers); anything else is counted as invalid and
+skipped, and so is, counted apart, news of a replica this router does not know (a
+replica that joins or leaves is briefly known to some routers only).
 
 Transports (``PeerTransport``): ZMQ PUB/SUB over IPC sockets between the workers of one
 ``kvroute serve --workers N`` (``router.outlook_ipc``), or a Redis pub/sub channel
@@ -131,9 +132,9 @@ class PeerTransport(Protocol):
 
 class PeerMessagesCollector:
     """``router_outlook_peer_messages_total{outcome}`` (the peers' messages this router
-    applied or skipped as invalid), ``router_outlook_peers`` (the peers heard from
-    within ``PEER_SILENCE_S``) and, where the transport counts them,
-    ``router_outlook_peer_sends_dropped_total``; read at scrape time."""
+    applied, or skipped as invalid or of an unknown replica), ``router_outlook_peers``
+    (the peers heard from within ``PEER_SILENCE_S``) and, where the transport counts
+    them, ``router_outlook_peer_sends_dropped_total``; read at scrape time."""
 
     def __init__(self, peers: OutlookPeers) -> None:
         self._peers = peers
@@ -148,6 +149,7 @@ class PeerMessagesCollector:
             "outcome", labels=["outcome"])
         family.add_metric(["applied"], self._peers.received)
         family.add_metric(["invalid"], self._peers.invalid)
+        family.add_metric(["unknown_replica"], self._peers.unknown_replica)
         yield family
         dropped = self._peers.transport.dropped
         if dropped is not None:
@@ -186,6 +188,7 @@ class OutlookPeers:
         whatever the judgement clock's scale)."""
         self.received = 0
         self.invalid = 0
+        self.unknown_replica = 0
 
     def attach(self, outlook: FleetOutlook) -> None:
         """Tell the peers what ``outlook`` learns, and apply theirs to it."""
@@ -249,11 +252,15 @@ class OutlookPeers:
             if self.transport.hears_itself:
                 return  # our own, back from the channel
             raise ValueError(f"a message from this router's own id ({msg.sender})")
+        self.heard[msg.sender] = heard_at
         if not isinstance(msg, _InFlight) and not self._known(ReplicaId(msg.replica)):
-            raise ValueError(f"a replica this router does not know ({msg.replica!r})")
+            # Not ours (yet, or any longer): membership sources are read by each router
+            # on its own schedule, so a replica that joins or leaves is briefly known to
+            # some routers only.
+            self.unknown_replica += 1
+            return
         outlook = self._outlook
         theirs = self._theirs.setdefault(msg.sender, set())
-        self.heard[msg.sender] = heard_at
         now = self._clock()
         if isinstance(msg, _Routed):
             theirs.add(msg.request_id)
