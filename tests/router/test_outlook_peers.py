@@ -4,22 +4,19 @@ buses on real ZMQ IPC sockets, each applying the other's requests to its look ah
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-from kvkeys.types import ReplicaId
-from prompt.keyer import Prompt
-from router.fleet_outlook import FleetOutlook, OutlookSettings
-from router.horizon import HorizonEstimator, PoolSample
+from router.fleet_outlook import FleetOutlook
+from router.horizon import HorizonEstimator
 from router.outlook_ipc import IpcTransport
 from router.outlook_peers import OutlookPeers
 from router.worker_peers import WorkerPeers
-
-A = ReplicaId("a")
+from tests.router.outlook_helpers import A, outlook, pinned, prompt, until
 
 
 @dataclass
@@ -29,14 +26,6 @@ class _Worker:
     peers: OutlookPeers
 
 
-def _outlook() -> tuple[FleetOutlook, HorizonEstimator]:
-    h = HorizonEstimator()
-    h.observe_scrape(A, PoolSample(t=100.0, block_size=16, num_gpu_blocks=1000, kv_usage=0.0,
-                                   computed_prompt_tokens_total=None,
-                                   generation_tokens_total=None))
-    out = FleetOutlook(h, OutlookSettings(), prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
-    return out, h
-
 
 @pytest.fixture
 async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
@@ -45,7 +34,7 @@ async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
     now = [100.0]
     made = []
     for i in range(2):
-        out, h = _outlook()
+        out, h = outlook()
         peers = OutlookPeers(IpcTransport(WorkerPeers(str(tmp_path), i, 2)), i,
                              lambda: now[0])
         peers.attach(out)
@@ -53,7 +42,7 @@ async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
     loops = [asyncio.create_task(w.peers.run()) for w in made]
     try:
         for sender, hearer in ((made[0].peers, made[1].peers), (made[1].peers, made[0].peers)):
-            await _until(partial(_heard, hearer),
+            await until(partial(_heard, hearer),
                          partial(sender._send, ("s", sender.sender, [])))
         for w in made:
             w.peers.received = 0
@@ -66,41 +55,25 @@ async def workers(tmp_path: Path) -> AsyncIterator[list[_Worker]]:
             await w.peers.transport.aclose()
 
 
-async def _until(done: Callable[[], bool], poke: Callable[[], object] = lambda: None,
-                 timeout_s: float = 5.0) -> None:  # fmt: skip
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not done():
-        assert loop.time() < deadline, "the other worker never heard it"
-        poke()
-        await asyncio.sleep(0.01)
-
 
 def _heard(peers: OutlookPeers) -> bool:
     return peers.received > 0
 
 
-def _prompt(tokens: int) -> Prompt:
-    return Prompt(token_ids=[1] * tokens, block_keys=[], block_size=16, model="m")
-
-
-def _pinned(out: FleetOutlook) -> float:
-    pinned = out._pinned.get(A)
-    return pinned.blocks if pinned is not None else 0.0
 
 
 async def test_a_request_one_worker_routes_pins_its_blocks_in_the_others_look_ahead(
     workers: list[_Worker],
 ) -> None:
     w0, w1 = workers
-    w0.outlook.routed("req-1", "s1", A, _prompt(800), [], None, 100.0)
-    await _until(lambda: w1.peers.received >= 1)
-    assert _pinned(w1.outlook) == _pinned(w0.outlook) == 50.0
+    w0.outlook.routed("req-1", "s1", A, prompt(800), [], None, 100.0)
+    await until(lambda: w1.peers.received >= 1)
+    assert pinned(w1.outlook) == pinned(w0.outlook) == 50.0
     # It finishes: unpinned there too, its service time learnt, its session's pause
     # started (a paused run of 60 blocks on A) and its blocks back in the free pool.
     w0.outlook.finished("req-1", "s1", A, 60, 0.2, 30, 102.0)
-    await _until(lambda: w1.peers.received >= 2)
-    assert _pinned(w1.outlook) == 0.0
+    await until(lambda: w1.peers.received >= 2)
+    assert pinned(w1.outlook) == 0.0
     assert len(w1.outlook._service) == 1
     assert w1.outlook.idle_runs.replica_of("s1") == A
     assert w1.horizon._r[A].released == 60.0
@@ -114,16 +87,16 @@ async def test_the_in_flight_list_drops_a_request_whose_finish_was_lost(
     workers: list[_Worker],
 ) -> None:
     w0, w1 = workers
-    w0.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
-    w0.outlook.routed("req-2", None, A, _prompt(320), [], None, 100.0)
-    await _until(lambda: w1.peers.received >= 2)
-    assert _pinned(w1.outlook) == 70.0
+    w0.outlook.routed("req-1", None, A, prompt(800), [], None, 100.0)
+    w0.outlook.routed("req-2", None, A, prompt(320), [], None, 100.0)
+    await until(lambda: w1.peers.received >= 2)
+    assert pinned(w1.outlook) == 70.0
     # req-1's finish never reaches worker 1 (a full queue, a restart): the next list of
     # worker 0's requests in flight no longer names it, so its pins go, unlearnt.
     w0.peers._mine.discard("req-1")
     w0.peers._send(("s", 0, sorted(w0.peers._mine)))
-    await _until(lambda: w1.peers.received >= 3)
-    assert _pinned(w1.outlook) == 20.0
+    await until(lambda: w1.peers.received >= 3)
+    assert pinned(w1.outlook) == 20.0
     assert len(w1.outlook._service) == 0
 
 
@@ -135,7 +108,7 @@ async def test_a_malformed_message_is_counted_and_the_loop_goes_on(
         w0.peers.transport.send(junk)
     w0.peers._send(("r", 1, "x", None, "a", 1.0, None))  # it claims to come from worker 1
     w0.peers._send(("r", 0, "x", None, "a", "many", None))  # blocks not a number
-    w0.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
-    await _until(lambda: w1.peers.received >= 1)
+    w0.outlook.routed("req-1", None, A, prompt(800), [], None, 100.0)
+    await until(lambda: w1.peers.received >= 1)
     assert w1.peers.invalid == 5
-    assert _pinned(w1.outlook) == 50.0
+    assert pinned(w1.outlook) == 50.0

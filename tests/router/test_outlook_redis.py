@@ -20,17 +20,14 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from kvkeys.types import ReplicaId
-from prompt.keyer import Prompt
-from router.fleet_outlook import FleetOutlook, OutlookSettings
-from router.horizon import HorizonEstimator, PoolSample
+from router.fleet_outlook import FleetOutlook
+from router.horizon import HorizonEstimator
 from router.outlook_peers import PEER_SILENCE_S, OutlookPeers
 from router.outlook_redis import RedisTransport
 from tests.ports import free_port
 from tests.router.fake_replica import FakeReplica
 from tests.router.helpers import scrape
-
-A = ReplicaId("a")
+from tests.router.outlook_helpers import A, outlook, pinned, prompt, until
 
 
 @dataclass
@@ -48,18 +45,10 @@ class _Router:
         await self.peers.transport.aclose()
 
 
-def _outlook() -> tuple[FleetOutlook, HorizonEstimator]:
-    h = HorizonEstimator()
-    h.observe_scrape(A, PoolSample(t=100.0, block_size=16, num_gpu_blocks=1000, kv_usage=0.0,
-                                   computed_prompt_tokens_total=None,
-                                   generation_tokens_total=None))
-    out = FleetOutlook(h, OutlookSettings(), prefill_tokens_per_s=1000.0, alpha=1.0, beta=1.0)
-    return out, h
-
 
 async def _router(stack: AsyncExitStack, url: str, channel: str, sender: int,
                   silence_s: float = 5.0) -> _Router:  # fmt: skip
-    out, h = _outlook()
+    out, h = outlook()
     peers = OutlookPeers(RedisTransport(url, channel, timeout_s=0.5), sender, lambda: 100.0,
                          known=lambda r: r == A, silence_s=silence_s)
     peers.attach(out)
@@ -72,15 +61,6 @@ async def _router(stack: AsyncExitStack, url: str, channel: str, sender: int,
     return r
 
 
-async def _until(done: Callable[[], bool], poke: Callable[[], object] = lambda: None,
-                 timeout_s: float = 10.0) -> None:  # fmt: skip
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not done():
-        assert loop.time() < deadline, "never happened"
-        poke()
-        await asyncio.sleep(0.02)
-
 
 async def _joined(routers: list[_Router]) -> None:
     """Until every router has heard every other (a subscriber misses what was published
@@ -90,19 +70,12 @@ async def _joined(routers: list[_Router]) -> None:
             o.peers._send(("s", o.peers.sender, []))
 
     for r in routers:
-        await _until(lambda r=r: len(r.peers.heard) == len(routers) - 1,  # type: ignore[misc]
+        await until(lambda r=r: len(r.peers.heard) == len(routers) - 1,  # type: ignore[misc]
                      poke)
     for r in routers:
         r.peers.received = 0
 
 
-def _prompt(tokens: int) -> Prompt:
-    return Prompt(token_ids=[1] * tokens, block_keys=[], block_size=16, model="m")
-
-
-def _pinned(out: FleetOutlook) -> float:
-    pinned = out._pinned.get(A)
-    return pinned.blocks if pinned is not None else 0.0
 
 
 @pytest.fixture
@@ -121,18 +94,18 @@ async def test_routers_on_one_channel_share_their_requests_and_nothing_echoes(
 ) -> None:
     r0, r1, r2 = [await _router(stack, redis_url, channel, s) for s in (11, 22, 33)]
     await _joined([r0, r1, r2])
-    r0.outlook.routed("req-1", "s1", A, _prompt(800), [], None, 100.0)
+    r0.outlook.routed("req-1", "s1", A, prompt(800), [], None, 100.0)
     # the same client request id at another router is another request
-    r1.outlook.routed("req-1", None, A, _prompt(320), [], None, 100.0)
-    await _until(lambda: _pinned(r2.outlook) == 70.0)
-    await _until(lambda: _pinned(r0.outlook) == _pinned(r1.outlook) == 70.0)
+    r1.outlook.routed("req-1", None, A, prompt(320), [], None, 100.0)
+    await until(lambda: pinned(r2.outlook) == 70.0)
+    await until(lambda: pinned(r0.outlook) == pinned(r1.outlook) == 70.0)
     r0.outlook.finished("req-1", "s1", A, 60, 0.2, 30, 102.0)
-    await _until(lambda: _pinned(r2.outlook) == 20.0 and _pinned(r1.outlook) == 20.0)
+    await until(lambda: pinned(r2.outlook) == 20.0 and pinned(r1.outlook) == 20.0)
     assert r2.outlook.idle_runs.replica_of("s1") == A
     assert r2.horizon._r[A].released == 60.0
     assert len(r2.outlook._service) == 1
     # r1's own request is still pinned at r1 (r0's finish of its own "req-1" is r0's)
-    assert _pinned(r1.outlook) == 20.0 and len(r1.outlook._service) == 1
+    assert pinned(r1.outlook) == 20.0 and len(r1.outlook._service) == 1
     # each router's own messages come back on the channel: skipped, not counted
     assert all(r.peers.invalid == 0 for r in (r0, r1, r2))
 
@@ -143,12 +116,12 @@ async def test_a_silent_peer_is_forgotten_with_its_pins(
     r0 = await _router(stack, redis_url, channel, 1, silence_s=1.5)
     r1 = await _router(stack, redis_url, channel, 2, silence_s=1.5)
     await _joined([r0, r1])
-    r1.outlook.routed("req-9", None, A, _prompt(800), [], None, 100.0)
-    await _until(lambda: _pinned(r0.outlook) == 50.0)
+    r1.outlook.routed("req-9", None, A, prompt(800), [], None, 100.0)
+    await until(lambda: pinned(r0.outlook) == 50.0)
     await r1.stop()  # crashed or cut off: no finish, no more in-flight lists
     await asyncio.sleep(1.0)
-    assert _pinned(r0.outlook) == 50.0 and 2 in r0.peers.heard  # not silent for long yet
-    await _until(lambda: _pinned(r0.outlook) == 0.0, timeout_s=5.0)
+    assert pinned(r0.outlook) == 50.0 and 2 in r0.peers.heard  # not silent for long yet
+    await until(lambda: pinned(r0.outlook) == 0.0, timeout_s=5.0)
     assert r0.peers.heard == {}
     assert len(r0.outlook._service) == 0  # nothing learnt from a request never finished
 
@@ -172,8 +145,8 @@ async def test_junk_on_the_channel_is_counted_and_skipped(
     async with aioredis.Redis.from_url(redis_url) as client:
         for payload in junk:
             await client.publish(channel, payload)
-    r1.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
-    await _until(lambda: _pinned(r0.outlook) == 50.0)
+    r1.outlook.routed("req-1", None, A, prompt(800), [], None, 100.0)
+    await until(lambda: pinned(r0.outlook) == 50.0)
     assert r0.peers.invalid == 7 and r0.peers.unknown_replica == 1
     assert set(r0.outlook._pinned) == {A}
 
@@ -190,17 +163,17 @@ async def test_the_bus_survives_redis_going_away_and_talks_again_when_it_is_back
     server.stop()  # type: ignore[attr-defined]
     # routing goes on: sends queue (then drop), nothing raises, the loops keep running
     for i in range(20):
-        r0.outlook.routed(f"lost-{i}", None, A, _prompt(16), [], None, 100.0)
-    await _until(lambda: (r0.peers.transport.dropped or 0) > 0)  # counted, not queued
+        r0.outlook.routed(f"lost-{i}", None, A, prompt(16), [], None, 100.0)
+    await until(lambda: (r0.peers.transport.dropped or 0) > 0)  # counted, not queued
     assert all(not t.done() for r in (r0, r1) for t in r.loops)
     redis_server_factory(port)
-    r0.outlook.routed("req-1", None, A, _prompt(800), [], None, 100.0)
+    r0.outlook.routed("req-1", None, A, prompt(800), [], None, 100.0)
     # once both have resubscribed, r0's in-flight list reaches r1: every request of r0
     # still in flight is pinned there, sent again through the routed messages that follow
-    await _until(lambda: len(r1.peers.heard) == 1 and r1.peers.received > 0,
+    await until(lambda: len(r1.peers.heard) == 1 and r1.peers.received > 0,
                  timeout_s=20.0)
-    r0.outlook.routed("req-2", None, A, _prompt(320), [], None, 100.0)
-    await _until(lambda: "\x001\x00req-2" in r1.outlook._in_flight, timeout_s=10.0)
+    r0.outlook.routed("req-2", None, A, prompt(320), [], None, 100.0)
+    await until(lambda: "\x001\x00req-2" in r1.outlook._in_flight, timeout_s=10.0)
 
 
 async def test_two_routers_on_one_redis_index_hear_each_other_and_forget_a_dead_one(
