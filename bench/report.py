@@ -234,13 +234,21 @@ def _spread_s(values: Sequence[float]) -> str:
 def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None = None) -> str:
     """The comparison table over repeated rounds: per target, the median of its runs
     with the spread ``[min-max]`` of the cached share and the TTFT p99, the other
-    columns as medians, errors summed; then one row per cache bound."""
+    columns as medians, errors summed; then one row per cache bound.  With several
+    targets, each is also compared with the first round by round (the rounds' fleets
+    differ, so every ring assigns the sessions anew; within a round all targets saw the
+    same fleet): the rounds it cached more in, and its difference in points, mean
+    [min to max]."""
     by_name: dict[str, list[RunSummary]] = {}
     for summaries in rounds:
         for s in summaries:
             by_name.setdefault(s.name, []).append(s)
+    paired = len(by_name) > 1
     cols = ["policy", "runs", "cached", "of LRU", "of OPT", "of inf", "TTFT p50", "p99",
             "same replica", "exact", "errors"]
+    if paired:
+        cols += ["ahead of first", "difference"]
+    first = next(iter(by_name), None)
     rows: list[list[str]] = []
     for name, runs in by_name.items():
         p99s = [s.ttft_p99 for s in runs if s.ttft_p99 is not None]
@@ -253,6 +261,7 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
             _fmt_pct(_median([s.stay_share for s in runs])),
             _fmt_pct(_median([s.exact_share for s in runs])),
             str(sum(s.errors for s in runs)),
+            *(_versus(rounds, first, name) if paired and first is not None else ()),
         ])
     if bounds is not None:
         for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
@@ -261,6 +270,23 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
             share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
             rows.append([f"bound: {name}", "-", f"{share:.1%}"] + ["-"] * (len(cols) - 3))
     return _render(cols, rows)
+
+
+def _versus(rounds: Sequence[Sequence[RunSummary]], first: str, name: str) -> list[str]:
+    """``[ahead, difference]`` of ``name`` against ``first`` over the rounds that ran
+    both: ``k/n`` and the cached share's difference in points, mean [min to max]."""
+    if name == first:
+        return ["-", "-"]
+    diffs = []
+    for summaries in rounds:
+        by = {s.name: s for s in summaries}
+        if name in by and first in by:
+            diffs.append(100 * (by[name].cached_share - by[first].cached_share))
+    if not diffs:
+        return ["-", "-"]
+    ahead = sum(d > 0 for d in diffs)
+    return [f"{ahead}/{len(diffs)}",
+            f"{statistics.fmean(diffs):+.2f} [{min(diffs):+.2f} to {max(diffs):+.2f}] points"]
 
 
 def to_json(

@@ -92,6 +92,24 @@ def test_repeated_rounds_are_reported_as_medians_with_their_spread() -> None:
     assert "bound: pooled LRU" in table and "33.3%" in table
 
 
+def test_several_targets_are_compared_with_the_first_round_by_round() -> None:
+    rounds = []
+    for a, b in ((90, 120), (180, 150), (270, 300)):  # kv: 10/20/30%, session 13.3/16.7/33.3%
+        rounds.append([
+            summarize("session", [res("s", 1, "r1", 300, 0, 1.0),
+                                  res("s", 2, "r1", 600, b, 1.0)], time_scale=0.1),
+            summarize("kv", [res("k", 1, "r1", 300, 0, 1.0),
+                             res("k", 2, "r1", 600, a, 1.0)], time_scale=0.1),
+        ])
+    lines = format_repeats(rounds).splitlines()
+    assert lines[0].split()[-4:] == ["ahead", "of", "first", "difference"]
+    session = next(line for line in lines if line.startswith("session"))
+    kv = next(line for line in lines if line.startswith("kv"))
+    assert session.split()[-2:] == ["-", "-"]  # the first target is the reference
+    # kv minus session, round by round: -3.33, +3.33, -3.33 points
+    assert kv.split()[-6:] == ["1/3", "-1.11", "[-3.33", "to", "+3.33]", "points"]
+
+
 def test_exact_predictions_count_predicted_later_turns_only() -> None:
     results = [
         res("a", 1, "r1", 100, 0, 1.0, predicted=0),  # a first turn: not counted
