@@ -98,7 +98,7 @@ from index.store import (
 )
 from kvkeys.types import EngineKey, Medium, PrefixHits, ReplicaId, RequestKey
 
-__all__ = ["RedisIndex"]
+__all__ = ["RedisIndex", "fail_fast_client"]
 
 T = TypeVar("T")
 
@@ -109,6 +109,18 @@ _REVERSE: Final = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _LAYOUT: Final = "2"
 _RESET_MARK: Final = "kvroute:reset"
 """What ``redis_apply.lua`` answers when the namespace is not the client's epoch."""
+
+
+def fail_fast_client(url: str, *, connect_timeout_s: float) -> aioredis.Redis:
+    """A client for ``url`` with no retries and no health checks: a failed call fails at
+    once, and each caller bounds its calls with its own timeout (``asyncio.timeout``)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=None,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
 
 
 def _hex(keys: Sequence[int]) -> str:
@@ -174,13 +186,7 @@ class RedisIndex:
     @classmethod
     def from_url(cls, url: str, *, op_timeout_s: float = 0.05, **kwargs: object) -> RedisIndex:
         """A client for ``url`` with no retries and timeouts that fail fast."""
-        client = aioredis.Redis.from_url(
-            url,
-            socket_connect_timeout=max(op_timeout_s, 0.2),
-            socket_timeout=None,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        client = fail_fast_client(url, connect_timeout_s=max(op_timeout_s, 0.2))
         return cls(client, op_timeout_s=op_timeout_s, **kwargs)  # type: ignore[arg-type]
 
     @property

@@ -24,14 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from aio.cancel import reraise_if_cancelling
 from index.log_limit import RateLimitedLog
+from index.redis_store import fail_fast_client
 
 __all__ = ["RedisTransport"]
 
@@ -55,9 +53,7 @@ class RedisTransport:
     def __init__(self, url: str, channel: str, *, timeout_s: float = 1.0) -> None:
         self.channel = channel
         self._timeout_s = timeout_s
-        self._client = aioredis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=None,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._client = fail_fast_client(url, connect_timeout_s=timeout_s)
         self._queue: deque[bytes] = deque()
         self._wake = asyncio.Event()
         self._pubsub: PubSub | None = None
