@@ -112,6 +112,7 @@ class PeerTransport(Protocol):
     hears_itself: bool
     """Whether this router receives its own messages (a pub/sub channel everyone,
     this router included, subscribes to)."""
+
     @property
     def dropped(self) -> int | None:
         """Messages not sent (a full queue, the bus away); ``None``: not counted (a ZMQ
