@@ -13,8 +13,12 @@ over several assignments.
 The cache bounds (``bench.bounds``) need the exact token ids the replicas hash: they come
 from the replica's own ``POST /tokenize`` for each turn's messages (the trace's fixed
 replies make these the prompts every target sends; with ``replies="actual"`` the bounds
-still use the trace's replies, so they are then estimates).  Requests are taken in the
-trace's nominal order.
+still use the trace's replies, so they are then estimates).  Each run is measured against
+the bounds of the order its own requests were sent in (``arrival_bounds``), as the replay
+does: a later turn leaves a think time after the previous reply, so the order depends on
+the run's service times, and the trace's nominal times (which leave them out) bring a
+conversation's turns closer together than any fleet can, and the pooled LRU figure up
+with them.
 
 Peer routers: sglang-router tries to download a tokenizer for the model a replica reports,
 and nothing may leave the machine, so peers run only inside a loopback-only network
@@ -28,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 
-from bench.bounds import CacheRequest
+from bench.bounds import Bounds, CacheRequest, cache_bounds
 from bench.fleet import Fleet, FleetError, free_port
+from bench.report import RunSummary, summarize
 from bench.runner import ProgressFn, RequestResult, RunConfig, Runner
 from bench.trace import TraceRequest, by_session, conversation
 
@@ -102,16 +107,14 @@ class TargetRun:
 async def tokenize_trace(
     url: str, trace: Sequence[TraceRequest], *, model: str, max_tokens_cap: int | None = None,
     concurrency: int = 8,
-) -> list[CacheRequest]:
-    """The trace's prompts as token ids (from the replica's ``/tokenize``), in trace order,
-    for ``bench.bounds``.  A prompt the replica refuses as too long (HTTP 400) is left
-    out: every target's request for it fails the same way."""
+) -> dict[tuple[str, int], CacheRequest]:
+    """The trace's prompts as token ids (from the replica's ``/tokenize``) by session and
+    turn, for ``bench.bounds`` (``arrival_bounds``).  A prompt the replica refuses as too
+    long (HTTP 400) is left out: every target's request for it fails the same way."""
     jobs: list[tuple[TraceRequest, list[dict[str, Any]]]] = []
     for turns in by_session(trace).values():
         jobs.extend(zip(turns, conversation(turns), strict=True))
-    order = {(r.session, r.turn): i for i, r in enumerate(sorted(
-        trace, key=lambda r: (r.at, r.session, r.turn)))}
-    out: list[CacheRequest | None] = [None] * len(jobs)
+    out: dict[tuple[str, int], CacheRequest] = {}
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=60.0)
 
@@ -127,12 +130,41 @@ async def tokenize_trace(
                                  f"{(await resp.text())[:200]}")
             tokens = (await resp.json())["tokens"]
         gen = min(turn.max_tokens, max_tokens_cap or turn.max_tokens)
-        out[order[(turn.session, turn.turn)]] = CacheRequest(tokens, gen, turn.cache_salt)
+        out[(turn.session, turn.turn)] = CacheRequest(tokens, gen, turn.cache_salt)
 
     async with aiohttp.ClientSession(timeout=timeout) as http, asyncio.TaskGroup() as tg:
         for turn, messages in jobs:
             tg.create_task(one(http, turn, messages))
-    return [r for r in out if r is not None]
+    return out
+
+
+def arrival_bounds(
+    prompts: Mapping[tuple[str, int], CacheRequest],
+    results: Sequence[RequestResult],
+    *,
+    block_size: int,
+    capacity: int,
+    model: str,
+) -> Bounds:
+    """The cache bounds over the requests a run served, in the order it sent them.
+
+    ``prompts`` are ``tokenize_trace``'s; a request that failed is left out, as it is
+    from the run's own figures."""
+    sent = sorted((r for r in results if r.ok and (r.session, r.turn) in prompts),
+                  key=lambda r: (r.sent_s, r.session, r.turn))
+    return cache_bounds([prompts[(r.session, r.turn)] for r in sent], block_size=block_size,
+                        capacity=capacity, model=model)
+
+
+async def _summary(
+    run: TargetRun, prompts: Mapping[tuple[str, int], CacheRequest], *, block_size: int,
+    capacity: int, model: str, time_scale: float,
+) -> RunSummary:
+    """A run's figures, against the bounds of the order it sent its requests in."""
+    bounds = await asyncio.to_thread(arrival_bounds, prompts, run.results,
+                                     block_size=block_size, capacity=capacity, model=model)
+    return summarize(run.target.name, run.results, time_scale=time_scale, bounds=bounds,
+                     wall_s=round(run.wall_s, 2))
 
 
 async def run_target(
@@ -246,7 +278,6 @@ async def run_compare(
 
     from aio.clock_warp import ClockWarp
     from bench import plots, report
-    from bench.bounds import cache_bounds
     from bench.fleet import FleetSpec, build_tokenizer_dir
     from bench.trace import load, save
     from bench.workload import generate, measure_tokens_per_word
@@ -294,7 +325,7 @@ async def run_compare(
                              time_scale=scale, profile=args.profile, router=False,
                              log_dir=out / "logs", clock_file=clock_file,
                              router_workers=workers)
-            bounds = None
+            prompts: dict[tuple[str, int], CacheRequest] = {}
             rounds = []
             for _ in range(repeats):  # targets interleaved round by round
                 # A fresh fleet each round: new addresses, so every consistent-hash ring
@@ -302,24 +333,22 @@ async def run_compare(
                 # the sessions anew, and a ring's median is over that many assignments
                 # rather than one lucky or unlucky draw repeated.
                 async with Fleet(spec) as fleet:
-                    if bounds is None:
-                        reqs = await tokenize_trace(fleet.replica_urls[0], trace,
-                                                    model=spec.model,
-                                                    max_tokens_cap=args.max_tokens)
-                        bounds = cache_bounds(reqs, block_size=args.block_size,
-                                              capacity=replicas * (num_blocks - 1),
-                                              model=spec.model)
+                    if not prompts:
+                        prompts = await tokenize_trace(fleet.replica_urls[0], trace,
+                                                       model=spec.model,
+                                                       max_tokens_cap=args.max_tokens)
                     rounds.append(await run_targets(
                         fleet, targets, trace, run_cfg,
                         progress_bars(not args.no_progress, len(trace))))
-            assert bounds is not None  # repeats >= 1
-            summaries = [[report.summarize(r.target.name, r.results, time_scale=scale,
-                                           bounds=bounds, wall_s=round(r.wall_s, 2))
+            capacity = replicas * (num_blocks - 1)
+            summaries = [[await _summary(r, prompts, block_size=args.block_size,
+                                         capacity=capacity, model=spec.model,
+                                         time_scale=scale)
                           for r in runs if r.error is None] for runs in rounds]
             skipped = [f"skipped {r.target.name}: {r.error}" for runs in rounds for r in runs
                        if r.error]
-            table = (report.format_table(summaries[0], bounds) if repeats == 1
-                     else report.format_repeats(summaries, bounds))
+            table = (report.format_table(summaries[0]) if repeats == 1
+                     else report.format_repeats(summaries))
             texts.append("\n".join(filter(None, [label, table, *skipped])))
             for i, round_summaries in enumerate(summaries):
                 for s in round_summaries:
@@ -327,7 +356,8 @@ async def run_compare(
                                    "repeat": i, "cached_share": s.cached_share,
                                    "ttft_p50_ms": (s.ttft_p50 or 0) * 1000,
                                    "ttft_p99_ms": (s.ttft_p99 or 0) * 1000,
-                                   "bounds": bounds.shares(), **s.to_json()})
+                                   **s.to_json(),
+                                   "bounds": s.bounds.shares() if s.bounds else None})
             for i, round_runs in enumerate(rounds):
                 for r in round_runs:
                     lines.extend(

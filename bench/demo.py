@@ -10,7 +10,8 @@ Steps (all children of this process, all stopped at the end, on errors and on Ct
    replays minutes of traffic in seconds.
 4. For each policy: empty the replicas' caches, start ``kvroute serve --policy P`` (the
    in-memory index, fed by the replicas' KV events), replay the trace open loop.
-5. Compute the cache bounds from the replicas' own tokenisation of the trace.
+5. Compute the cache bounds from the replicas' own tokenisation of the trace, for each
+   policy's run in the order it sent its requests (``bench.compare.arrival_bounds``).
 6. Print the table; write it to ``table.txt``, and ``summary.json``, ``results.jsonl``,
    ``trace.jsonl`` and the plots ``ttft-distribution.png`` and ``ttft-by-turn.png``, in
    the output folder.
@@ -31,14 +32,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench import plots, report
-from bench.bounds import Bounds, cache_bounds
-from bench.compare import POLICIES, Target, TargetRun, progress_bars, run_targets, tokenize_trace
+from bench.bounds import Bounds
+from bench.compare import (
+    POLICIES,
+    Target,
+    TargetRun,
+    arrival_bounds,
+    progress_bars,
+    run_targets,
+    tokenize_trace,
+)
 from bench.fleet import Fleet, FleetSpec, build_tokenizer_dir
 from bench.runner import RunConfig
 from bench.trace import TraceRequest, save
@@ -118,6 +127,8 @@ class DemoResult:
     table: str
     summaries: list[report.RunSummary]
     bounds: Bounds | None
+    """The bounds of the run at the median pooled LRU share (``report.typical_bounds``);
+    each summary has its own run's."""
     files: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -147,14 +158,14 @@ async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> Dem
                      max_tokens_cap=opts.max_tokens, sim_timing=True)
     targets = [Target(p, policy=p) for p in opts.policies]
     async with Fleet(fleet_spec) as fleet:
-        bound_reqs = await tokenize_trace(fleet.replica_urls[0], trace,
-                                          model=fleet_spec.model,
-                                          max_tokens_cap=opts.max_tokens)
-        bounds = cache_bounds(bound_reqs, block_size=opts.block_size,
-                              capacity=opts.replicas * (opts.num_blocks - 1),
-                              model=fleet_spec.model)
+        prompts = await tokenize_trace(fleet.replica_urls[0], trace, model=fleet_spec.model,
+                                       max_tokens_cap=opts.max_tokens)
         runs = await run_targets(fleet, targets, trace, base,
                                  progress_bars(opts.progress, len(trace)))
+    bounds = {r.target.name: await asyncio.to_thread(
+        arrival_bounds, prompts, r.results, block_size=opts.block_size,
+        capacity=opts.replicas * (opts.num_blocks - 1), model=fleet_spec.model)
+        for r in runs if r.error is None}
     return _finish(opts, trace, runs, bounds, tpw, t_start)
 
 
@@ -162,7 +173,7 @@ def _finish(
     opts: DemoOptions,
     trace: Sequence[TraceRequest],
     runs: Sequence[TargetRun],
-    bounds: Bounds,
+    bounds: Mapping[str, Bounds],
     tpw: float,
     t_start: float,
 ) -> DemoResult:
@@ -170,12 +181,12 @@ def _finish(
     done = [r for r in runs if r.error is None]
     skipped = {r.target.name: r.error or "" for r in runs if r.error is not None}
     summaries = [
-        report.summarize(r.target.name, r.results, time_scale=opts.time_scale, bounds=bounds,
-                         wall_s=round(r.wall_s, 2))
+        report.summarize(r.target.name, r.results, time_scale=opts.time_scale,
+                         bounds=bounds.get(r.target.name), wall_s=round(r.wall_s, 2))
         for r in done
     ]
-    table = report.format_table(summaries, bounds)
-    result = DemoResult(table, summaries, bounds, skipped=skipped)
+    table = report.format_table(summaries)
+    result = DemoResult(table, summaries, report.typical_bounds(summaries), skipped=skipped)
     (out / "table.txt").write_text(table + "\n")
     result.files["table"] = str(out / "table.txt")
     with (out / "results.jsonl").open("w") as fh:
@@ -193,7 +204,7 @@ def _finish(
             plots.ttft_by_turn_plot(by_name, out / "ttft-by-turn.png",
                                     time_scale=opts.time_scale))
     result.wall_s = round(time.perf_counter() - t_start, 1)
-    doc = report.to_json(summaries, bounds, {
+    doc = report.to_json(summaries, result.bounds, {
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         "tokens_per_word": tpw,
         "requests": len(trace),

@@ -9,7 +9,9 @@ Figures per run (definitions, so the table can be read without the code):
 * ``of_pooled_lru``, ``of_optimal``, ``of_unbounded``: ``cached`` as a share of each cache
   bound (``bench.bounds``): one LRU cache of the fleet's total size, the same with
   optimal replacement that knows the future (an upper bound for any routing), and an
-  infinite cache.
+  infinite cache, each over the run's own requests in the order it sent them
+  (``bounds``; ``bench.compare.arrival_bounds``).  The tables' bound rows give the
+  median over the runs, with their spread where the runs' orders made them differ.
 * ``ttft_p50/p90/p99``: time to first token in simulated seconds when the replicas report
   it (``usage.kvroute_sim.ttft_s``), else wall-clock TTFT divided by the time scale
   (``ttft_source`` says which).
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from bench.bounds import Bounds
@@ -74,6 +77,8 @@ class RunSummary:
     exact_share: float | None = None
     spread: dict[str, int] = field(default_factory=dict)
     wall_s: float | None = None
+    bounds: Bounds | None = None
+    """The cache bounds the ``of_*`` shares are taken of."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -145,6 +150,7 @@ def summarize(
         exact_share=exact_share(results),
         spread=dict(sorted(spread.items())),
         wall_s=wall_s,
+        bounds=bounds,
     )
 
 
@@ -192,8 +198,8 @@ def _render(cols: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
-def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> str:
-    """The comparison table, one row per run, then one per cache bound."""
+def format_table(runs: Sequence[RunSummary]) -> str:
+    """The comparison table, one row per run, then one per cache bound (``_bound_rows``)."""
     cols = ["policy", "prefill computed", "cached", "of LRU", "of OPT", "of inf", "TTFT p50",
             "p90", "p99", "same replica", "exact", "errors"]
     rows: list[list[str]] = []
@@ -204,14 +210,36 @@ def format_table(runs: Sequence[RunSummary], bounds: Bounds | None = None) -> st
             _fmt_s(s.ttft_p50), _fmt_s(s.ttft_p90), _fmt_s(s.ttft_p99),
             _fmt_pct(s.stay_share), _fmt_pct(s.exact_share), str(s.errors),
         ])
-    if bounds is not None:
-        for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
-                            ("pooled optimal", bounds.pooled_optimal_saved),
-                            ("unbounded", bounds.unbounded_saved)):
-            share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
-            rows.append([f"bound: {name}", f"{bounds.prompt_tokens - saved:,}",
-                         _fmt_pct(share)] + ["-"] * (len(cols) - 3))
+    for name, computed, shares in _bound_rows(runs):
+        rows.append([f"bound: {name}", f"{round(statistics.median(computed)):,}",
+                     _spread_pct(shares, 0)] + ["-"] * (len(cols) - 3))
     return _render(cols, rows)
+
+
+def _bound_rows(runs: Sequence[RunSummary]) -> list[tuple[str, list[int], list[float]]]:
+    """Per cache bound: its name, and over the runs that have bounds, the prompt tokens
+    it leaves to compute and its cached share."""
+    known = [s.bounds for s in runs if s.bounds is not None and s.bounds.prompt_tokens]
+    if not known:
+        return []
+    return [(name, [b.prompt_tokens - saved(b) for b in known],
+             [saved(b) / b.prompt_tokens for b in known])
+            for name, saved in _BOUNDS]
+
+
+_BOUNDS: tuple[tuple[str, Callable[[Bounds], int]], ...] = (
+    ("pooled LRU", attrgetter("pooled_lru_saved")),
+    ("pooled optimal", attrgetter("pooled_optimal_saved")),
+    ("unbounded", attrgetter("unbounded_saved")),
+)
+
+
+def typical_bounds(runs: Sequence[RunSummary]) -> Bounds | None:
+    """The bounds of the run whose pooled LRU share is the (lower) median: the runs'
+    bounds differ only in the order their requests arrived."""
+    known = sorted((s.bounds for s in runs if s.bounds is not None and s.bounds.prompt_tokens),
+                   key=lambda b: b.pooled_lru_saved / b.prompt_tokens)
+    return known[(len(known) - 1) // 2] if known else None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -219,10 +247,14 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
-def _spread_pct(values: Sequence[float]) -> str:
-    """``median [min-max]`` of shares, in percent with one decimal."""
-    return (f"{statistics.median(values):.1%} [{min(values):.1%}-{max(values):.1%}]"
-            if values else "-")
+def _spread_pct(values: Sequence[float], decimals: int = 1) -> str:
+    """``median [min-max]`` of shares in percent (``decimals`` places); the median alone
+    where every value reads the same."""
+    if not values:
+        return "-"
+    lo, mid, hi = (f"{v:.{decimals}%}" for v in (min(values), statistics.median(values),
+                                                 max(values)))
+    return mid if lo == hi else f"{mid} [{lo}-{hi}]"
 
 
 def _spread_s(values: Sequence[float]) -> str:
@@ -231,7 +263,7 @@ def _spread_s(values: Sequence[float]) -> str:
     return f"{_fmt_s(statistics.median(values))} [{_fmt_s(min(values))}-{_fmt_s(max(values))}]"
 
 
-def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None = None) -> str:
+def format_repeats(rounds: Sequence[Sequence[RunSummary]]) -> str:
     """The comparison table over repeated rounds: per target, the median of its runs
     with the spread ``[min-max]`` of the cached share and the TTFT p99, the other
     columns as medians, errors summed; then one row per cache bound.  With several
@@ -263,12 +295,8 @@ def format_repeats(rounds: Sequence[Sequence[RunSummary]], bounds: Bounds | None
             str(sum(s.errors for s in runs)),
             *(_versus(rounds, first, name) if paired and first is not None else ()),
         ])
-    if bounds is not None:
-        for name, saved in (("pooled LRU", bounds.pooled_lru_saved),
-                            ("pooled optimal", bounds.pooled_optimal_saved),
-                            ("unbounded", bounds.unbounded_saved)):
-            share = saved / bounds.prompt_tokens if bounds.prompt_tokens else 0.0
-            rows.append([f"bound: {name}", "-", f"{share:.1%}"] + ["-"] * (len(cols) - 3))
+    for name, _computed, shares in _bound_rows([s for r in rounds for s in r]):
+        rows.append([f"bound: {name}", "-", _spread_pct(shares)] + ["-"] * (len(cols) - 3))
     return _render(cols, rows)
 
 

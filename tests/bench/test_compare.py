@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bounds import Bounds
-from bench.compare import PeerSpec, parse_sweep, scale_think
+from bench.bounds import Bounds, CacheRequest
+from bench.compare import PeerSpec, arrival_bounds, parse_sweep, scale_think
 from bench.report import (
     exact_share,
     format_repeats,
@@ -48,8 +48,9 @@ def test_sweep_parsing_and_think_scaling() -> None:
 
 
 def res(session: str, turn: int, replica: str, prompt: int, cached: int,
-        ttft: float, ok: bool = True, predicted: int | None = None) -> RequestResult:
-    return RequestResult(session=session, turn=turn, tenant=None, scheduled_s=0, sent_s=0,
+        ttft: float, ok: bool = True, predicted: int | None = None,
+        sent: float = 0.0) -> RequestResult:
+    return RequestResult(session=session, turn=turn, tenant=None, scheduled_s=0, sent_s=sent,
                          status=200 if ok else 503, error=None if ok else "x",
                          ttft_s=ttft, sim_ttft_s=ttft / 10, replica=replica,
                          prompt_tokens=prompt, cached_tokens=cached,
@@ -73,7 +74,8 @@ def test_summary_figures() -> None:
     assert s.spread == {"r1": 2, "r2": 3}
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) is None
     assert stay_share([]) is None
-    table = format_table([s], bounds)
+    assert s.bounds == bounds
+    table = format_table([s])
     assert "bound: pooled optimal" in table and "40%" in table
 
 
@@ -84,7 +86,7 @@ def test_repeated_rounds_are_reported_as_medians_with_their_spread() -> None:
     for cached, ttft in ((90, 1.0), (180, 3.0), (270, 2.0)):  # shares 10%, 20%, 30%
         results = [res("a", 1, "r1", 300, 0, ttft), res("a", 2, "r1", 600, cached, ttft)]
         rounds.append([summarize("kv", results, time_scale=0.1, bounds=bounds)])
-    table = format_repeats(rounds, bounds)
+    table = format_repeats(rounds)
     row = next(line for line in table.splitlines() if line.startswith("kv"))
     assert row.split()[1] == "3"  # runs
     assert "20.0% [10.0%-30.0%]" in row  # the median cached share and its spread
@@ -127,3 +129,34 @@ def test_exact_predictions_count_predicted_later_turns_only() -> None:
     rounds = [[s], [summarize("kv", results[:2], time_scale=0.1)]]
     row = format_repeats(rounds).splitlines()[2]
     assert row.split()[-2:] == ["75%", "1"]  # the median of 50% and 100%; errors summed
+
+
+def test_each_run_is_measured_against_the_bounds_of_the_order_it_sent_its_requests() -> None:
+    # Block size 1, a fleet of 2 blocks.  Conversations a and b each send a two-block
+    # prompt, then extend it by one token (the second turn can hit both blocks).  Sent
+    # a1, a2, b1, b2 (a's reply came back at once), a pooled LRU still holds each prompt
+    # at its second turn: 4 hits.  Sent a1, b1, b2, a2 (a's reply was slow), b's blocks
+    # evict a's before a2: 2 hits.  Each run is judged against its own order, and the
+    # bound rows give the median with the spread.
+    prompts = {("a", 1): CacheRequest([1, 9]), ("a", 2): CacheRequest([1, 9, 8]),
+               ("b", 1): CacheRequest([2, 7]), ("b", 2): CacheRequest([2, 7, 6])}
+    quick = [res("a", 1, "r1", 2, 0, 1.0, sent=0), res("a", 2, "r1", 3, 2, 1.0, sent=1),
+             res("b", 1, "r1", 2, 0, 1.0, sent=2), res("b", 2, "r1", 3, 2, 1.0, sent=3)]
+    slow = [res("a", 1, "r1", 2, 0, 1.0, sent=0), res("b", 1, "r1", 2, 0, 1.0, sent=1),
+            res("b", 2, "r1", 3, 2, 1.0, sent=2), res("a", 2, "r1", 3, 0, 1.0, sent=9),
+            res("c", 1, "r1", 5, 0, 1.0, ok=False, sent=3)]  # failed: left out
+    quick_b = arrival_bounds(prompts, quick, block_size=1, capacity=2, model="m")
+    slow_b = arrival_bounds(prompts, slow, block_size=1, capacity=2, model="m")
+    assert quick_b.prompt_tokens == slow_b.prompt_tokens == 10
+    assert (quick_b.pooled_lru_saved, slow_b.pooled_lru_saved) == (4, 2)
+    assert quick_b.unbounded_saved == slow_b.unbounded_saved == 4
+    runs = [summarize("p", quick, time_scale=0.1, bounds=quick_b),
+            summarize("p", slow, time_scale=0.1, bounds=slow_b)]
+    assert runs[0].of_pooled_lru == pytest.approx(1.0)  # 4 cached of its own 4
+    assert runs[1].of_pooled_lru == pytest.approx(1.0)  # 2 cached of its own 2
+    lru = next(line for line in format_repeats([[r] for r in runs]).splitlines()
+               if line.startswith("bound: pooled LRU"))
+    assert "30.0% [20.0%-40.0%]" in lru
+    unbounded = next(line for line in format_table(runs).splitlines()
+                     if line.startswith("bound: unbounded"))
+    assert unbounded.split()[2:4] == ["6", "40%"]  # the same for both runs: no spread
