@@ -156,7 +156,7 @@ def arrival_bounds(
                         capacity=capacity, model=model)
 
 
-async def _summary(
+async def run_summary(
     run: TargetRun, prompts: Mapping[tuple[str, int], CacheRequest], *, block_size: int,
     capacity: int, model: str, time_scale: float,
 ) -> RunSummary:
@@ -341,7 +341,7 @@ async def run_compare(
                         fleet, targets, trace, run_cfg,
                         progress_bars(not args.no_progress, len(trace))))
             capacity = replicas * (num_blocks - 1)
-            summaries = [[await _summary(r, prompts, block_size=args.block_size,
+            summaries = [[await run_summary(r, prompts, block_size=args.block_size,
                                          capacity=capacity, model=spec.model,
                                          time_scale=scale)
                           for r in runs if r.error is None] for runs in rounds]

@@ -11,7 +11,7 @@ Steps (all children of this process, all stopped at the end, on errors and on Ct
 4. For each policy: empty the replicas' caches, start ``kvroute serve --policy P`` (the
    in-memory index, fed by the replicas' KV events), replay the trace open loop.
 5. Compute the cache bounds from the replicas' own tokenisation of the trace, for each
-   policy's run in the order it sent its requests (``bench.compare.arrival_bounds``).
+   policy's run in the order it sent its requests (``bench.compare.run_summary``).
 6. Print the table; write it to ``table.txt``, and ``summary.json``, ``results.jsonl``,
    ``trace.jsonl`` and the plots ``ttft-distribution.png`` and ``ttft-by-turn.png``, in
    the output folder.
@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,8 @@ from bench.compare import (
     POLICIES,
     Target,
     TargetRun,
-    arrival_bounds,
     progress_bars,
+    run_summary,
     run_targets,
     tokenize_trace,
 )
@@ -162,29 +162,24 @@ async def run_demo(opts: DemoOptions, say: Callable[[str], None] = print) -> Dem
                                        max_tokens_cap=opts.max_tokens)
         runs = await run_targets(fleet, targets, trace, base,
                                  progress_bars(opts.progress, len(trace)))
-    bounds = {r.target.name: await asyncio.to_thread(
-        arrival_bounds, prompts, r.results, block_size=opts.block_size,
-        capacity=opts.replicas * (opts.num_blocks - 1), model=fleet_spec.model)
-        for r in runs if r.error is None}
-    return _finish(opts, trace, runs, bounds, tpw, t_start)
+    summaries = [await run_summary(r, prompts, block_size=opts.block_size,
+                                   capacity=opts.replicas * (opts.num_blocks - 1),
+                                   model=fleet_spec.model, time_scale=opts.time_scale)
+                 for r in runs if r.error is None]
+    return _finish(opts, trace, runs, summaries, tpw, t_start)
 
 
 def _finish(
     opts: DemoOptions,
     trace: Sequence[TraceRequest],
     runs: Sequence[TargetRun],
-    bounds: Mapping[str, Bounds],
+    summaries: list[report.RunSummary],
     tpw: float,
     t_start: float,
 ) -> DemoResult:
     out = opts.out
     done = [r for r in runs if r.error is None]
     skipped = {r.target.name: r.error or "" for r in runs if r.error is not None}
-    summaries = [
-        report.summarize(r.target.name, r.results, time_scale=opts.time_scale,
-                         bounds=bounds.get(r.target.name), wall_s=round(r.wall_s, 2))
-        for r in done
-    ]
     table = report.format_table(summaries)
     result = DemoResult(table, summaries, report.typical_bounds(summaries), skipped=skipped)
     (out / "table.txt").write_text(table + "\n")

@@ -216,6 +216,14 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     return _render(cols, rows)
 
 
+_BOUNDS: tuple[tuple[str, Callable[[Bounds], int]], ...] = (
+    ("pooled LRU", attrgetter("pooled_lru_saved")),
+    ("pooled optimal", attrgetter("pooled_optimal_saved")),
+    ("unbounded", attrgetter("unbounded_saved")),
+)
+"""Each cache bound's name in the tables and its saved tokens."""
+
+
 def _bound_rows(runs: Sequence[RunSummary]) -> list[tuple[str, list[int], list[float]]]:
     """Per cache bound: its name, and over the runs that have bounds, the prompt tokens
     it leaves to compute and its cached share."""
@@ -225,13 +233,6 @@ def _bound_rows(runs: Sequence[RunSummary]) -> list[tuple[str, list[int], list[f
     return [(name, [b.prompt_tokens - saved(b) for b in known],
              [saved(b) / b.prompt_tokens for b in known])
             for name, saved in _BOUNDS]
-
-
-_BOUNDS: tuple[tuple[str, Callable[[Bounds], int]], ...] = (
-    ("pooled LRU", attrgetter("pooled_lru_saved")),
-    ("pooled optimal", attrgetter("pooled_optimal_saved")),
-    ("unbounded", attrgetter("unbounded_saved")),
-)
 
 
 def typical_bounds(runs: Sequence[RunSummary]) -> Bounds | None:
